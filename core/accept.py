@@ -1,0 +1,130 @@
+"""Acceptance rules: which root-to-node path of a verified tree to keep, and the bonus token.
+
+- `greedy`: the longest path whose every token equals the base model's argmax after its
+  parent. Lossless: the output is plain greedy decoding's, token for token.
+- `typical`: Medusa's typical acceptance. A token x is accepted after node u when
+  p_u(x) > min(threshold, alpha * exp(-H(p_u))); the longest accepted path wins, ties broken
+  by log-likelihood. Fast, but it does NOT preserve the sampling distribution.
+- `speculative`: tree speculative sampling (SpecInfer / Sequoia style recursive rejection).
+  At each node the children are tried in rank order; child x is accepted with probability
+  r(x) where r starts as the base distribution p_u (the proposal of a deterministic top-k
+  candidate is a point mass), and on rejection r <- normalise(r with x removed). The bonus
+  token is drawn from the final r. Every emitted token is distributed exactly as plain sampling.
+
+All rules take the verify logits of every node and return the accepted node path (root first)
+and the bonus token, which is the next step's root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.sampling import SamplingConfig, next_token, sampling_probs
+from core.tree import CandidateTree
+
+RULES = ("greedy", "typical", "speculative")
+
+
+@dataclass(frozen=True)
+class AcceptConfig:
+    """Rule and its parameters. At temperature 0 every rule reduces to greedy."""
+
+    rule: str = "greedy"
+    sampling: SamplingConfig = SamplingConfig()
+    typical_threshold: float = 0.09
+    typical_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"acceptance rule must be one of {RULES}, got {self.rule!r}")
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    accepted_nodes: list[int]  # node indices, root first
+    bonus_token: int
+
+
+def _longest_rows(tree: CandidateTree, node_ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per retrieve row (root-to-leaf path): how many leading nodes are accepted. Returns (rows, lengths)."""
+    retrieve = tree.buffers().retrieve_indices.to(node_ok.device)  # [L, D+1]
+    ok = node_ok[retrieve.clamp_min(0)] & (retrieve >= 0)  # [L, D+1]
+    return retrieve, ok.long().cumprod(dim=1).sum(dim=1)  # [L]
+
+
+def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor) -> AcceptResult:
+    """Longest path agreeing with the base argmax at every node; bonus = argmax after it."""
+    predicted = logits.argmax(dim=-1)  # [n+1]
+    parents = torch.tensor(tree.parents, device=logits.device).clamp_min(0)  # [n+1]
+    node_ok = node_tokens.to(logits.device) == predicted[parents]  # [n+1]
+    node_ok[0] = True  # the root is the base model's own token
+    retrieve, lengths = _longest_rows(tree, node_ok)
+    best = int(lengths.argmax())
+    nodes = retrieve[best, : int(lengths[best])].tolist()
+    return AcceptResult(accepted_nodes=nodes, bonus_token=int(predicted[nodes[-1]]))
+
+
+def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor, config: AcceptConfig,
+                   generator: torch.Generator | None) -> AcceptResult:
+    """Medusa's typical acceptance (not distribution-preserving)."""
+    probs = torch.softmax(logits.float() / config.sampling.temperature, dim=-1)  # [n+1, V]
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)  # [n+1]
+    threshold = torch.clamp(config.typical_alpha * torch.exp(-entropy), max=config.typical_threshold)  # [n+1]
+    parents = torch.tensor(tree.parents, device=logits.device).clamp_min(0)  # [n+1]
+    tokens = node_tokens.to(logits.device)
+    token_prob = probs[parents, tokens]  # [n+1] p_parent(token)
+    node_ok = token_prob > threshold[parents]
+    node_ok[0] = True
+    retrieve, lengths = _longest_rows(tree, node_ok)
+    longest = lengths.max()
+    log_prob = torch.log(token_prob.clamp_min(1e-30))
+    log_prob[0] = 0.0
+    steps = torch.arange(retrieve.shape[1], device=logits.device)[None]  # [1, D+1]
+    in_prefix = steps < lengths[:, None]  # [L, D+1]
+    likelihood = torch.where(in_prefix, log_prob[retrieve.clamp_min(0)], 0.0).sum(dim=1)  # [L]
+    likelihood = likelihood.masked_fill(lengths < longest, float("-inf"))
+    best = int(likelihood.argmax())
+    nodes = retrieve[best, : int(longest)].tolist()
+    return AcceptResult(accepted_nodes=nodes, bonus_token=next_token(logits[nodes[-1]], config.sampling, generator))
+
+
+def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor, config: AcceptConfig,
+                       generator: torch.Generator | None) -> AcceptResult:
+    """Recursive rejection sampling down the tree; exact in distribution."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parents[1:], start=1):
+        children.setdefault(parent, []).append(node)  # node order = rank order among siblings
+    tokens = node_tokens.tolist()
+    node = 0
+    nodes = [0]
+    while True:
+        residual = sampling_probs(logits[node], config.sampling).cpu().double()  # [V]
+        moved = False
+        for child in children.get(node, []):
+            token = tokens[child]
+            mass = float(residual[token])
+            if mass > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < mass:
+                node, moved = child, True
+                nodes.append(child)
+                break
+            residual[token] = 0.0
+            total = float(residual.sum())
+            if total <= 0:
+                break
+            residual /= total
+        if not moved:
+            bonus = int(torch.multinomial(residual.float(), 1, generator=generator))
+            return AcceptResult(accepted_nodes=nodes, bonus_token=bonus)
+
+
+def accept(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor, config: AcceptConfig,
+           generator: torch.Generator | None = None) -> AcceptResult:
+    """Apply the configured rule. node_tokens: long [n+1]; logits: float [n+1, V]."""
+    if config.sampling.greedy or config.rule == "greedy":
+        if not config.sampling.greedy:
+            raise ValueError("the greedy rule needs temperature 0; use typical or speculative to sample")
+        return accept_greedy(tree, node_tokens, logits)
+    if config.rule == "typical":
+        return accept_typical(tree, node_tokens, logits, config, generator)
+    return accept_speculative(tree, node_tokens, logits, config, generator)

