@@ -130,3 +130,17 @@ def load_official_medusa(path: Path, *, base_model: str = "", dtype: torch.dtype
     heads = MedusaHeads(config)
     heads.heads.load_state_dict({f"{h}.{layer}.{name}": t for (h, layer, name), t in parsed.items()})
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def default_heads(hidden_size: int, vocab_size: int, *, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> tuple[MedusaHeads, str]:
+    """The shipped heads from assets/heads, or (if none are shipped) untrained identity heads.
+
+    Returns the heads and a one-line description for the UI.
+    """
+    if (DEFAULT_HEADS_DIR / "heads.safetensors").exists():
+        heads = load_heads(DEFAULT_HEADS_DIR, dtype=dtype, device=device)
+        return heads, f"trained heads from assets/heads ({heads.config.num_heads} heads)"
+    heads = MedusaHeads(HeadsConfig(hidden_size=hidden_size, vocab_size=vocab_size))
+    heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return heads, "UNTRAINED identity heads (assets/heads is missing): expect ~1 token per step"
