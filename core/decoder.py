@@ -13,7 +13,7 @@ emits exactly one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -181,8 +181,8 @@ class DecodeSession:
             record = self._step_autoregressive()
         else:
             record = self._step_tree()
+        record = replace(record, new_tokens=self._emit(record.new_tokens))
         self.records.append(record)
-        self._emit(record.new_tokens)
         return record
 
     def run(self) -> Iterator[StepRecord]:
@@ -201,17 +201,21 @@ class DecodeSession:
         self.prefill_seconds = time.perf_counter() - start
         self._emit([self.root_token])
 
-    def _emit(self, tokens: list[int]) -> None:
+    def _emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens up to EOS / the token limit; returns those actually emitted."""
         room = self.config.max_new_tokens - len(self.output_ids)
+        emitted = []
         for token in tokens[:room]:
+            emitted.append(token)
             self.output_ids.append(token)
             if token in self.base.eos_token_ids:
                 self.stop_reason = "eos"
-                return
+                return emitted
         if len(self.output_ids) >= self.config.max_new_tokens:
             self.stop_reason = "max_new_tokens"
         elif len(self.prompt_ids) + len(self.output_ids) + self._max_tree_nodes + 2 > self.base.max_positions:
             self.stop_reason = "context"
+        return emitted
 
     def _texts(self, ids: list[int]) -> list[str]:
         return self.base.token_texts(ids) if self.config.record_texts else []

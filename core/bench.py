@@ -1,0 +1,216 @@
+"""Benchmark CLI: strategies interleaved prompt by prompt in one process.
+
+    python -m core.bench --prompts assets/data/mt_bench.jsonl --limit 10 --max-new-tokens 64 \
+        --strategies ar,fixed:mc_sim_7b_63,fixed:calibrated,dynamic:64 --dtype fp32 --out results.json
+
+Strategy specs: `ar` (our autoregressive loop over the same stepping API), `fixed:<tree name or
+JSON file>`, `dynamic:<non-root node budget>`, `hf:greedy` (transformers' generate) and
+`hf:prompt_lookup` (generate with prompt-lookup decoding). `fixed` / `dynamic` alone mean the
+defaults. Every ratio is against `ar` measured in the same run, same precision.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from core.accept import AcceptConfig
+from core.decoder import DecodeConfig, decode
+from core.exactness import first_divergence
+from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads
+from core.model import BaseModel, ModelConfig, load_base_model
+from core.sampling import SamplingConfig
+from core.tree import fixed_tree
+
+DEFAULT_STRATEGIES = "ar,fixed:mc_sim_7b_63,dynamic:63"
+PHASES = ("heads", "tree", "verify", "accept", "commit")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One prompt decoded by one strategy."""
+
+    prompt_id: str
+    strategy: str
+    new_tokens: int
+    steps: int
+    mean_accepted: float
+    seconds: float
+    tokens_per_s: float
+    phase_seconds: dict
+    output_ids: list
+    identical_to_ar: bool | None = None
+    first_divergence: int | None = None
+
+
+def read_prompts(path: Path, limit: int | None) -> list[Prompt]:
+    """JSONL with `turns` (first turn used) or `prompt`; ids from question_id / id / line number."""
+    prompts = []
+    for number, line in enumerate(path.read_text().split("\n")):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        text = row["turns"][0] if "turns" in row else row["prompt"]
+        prompts.append(Prompt(id=str(row.get("question_id", row.get("id", number))), text=text))
+    return prompts[:limit] if limit else prompts
+
+
+def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
+    """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers."""
+    kind, _, arg = spec.partition(":")
+    if kind == "ar":
+        return replace(base_config, strategy="autoregressive")
+    if kind == "fixed":
+        name = arg or "mc_sim_7b_63"
+        if name.endswith(".json"):
+            choices = json.loads(Path(name).read_text())
+            fixed_tree(choices)  # validate early
+            return replace(base_config, strategy="fixed", fixed_tree=tuple(tuple(p) for p in choices))
+        return replace(base_config, strategy="fixed", fixed_tree=name)
+    if kind == "dynamic":
+        return replace(base_config, strategy="dynamic", budget=int(arg) if arg else 63)
+    if kind == "hf" and arg in ("greedy", "prompt_lookup"):
+        return spec
+    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>, hf:greedy, hf:prompt_lookup")
+
+
+@torch.inference_mode()
+def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: int) -> tuple[list[int], float]:
+    extra = {"prompt_lookup_num_tokens": 10} if spec == "hf:prompt_lookup" else {}
+    start = time.perf_counter()
+    out = base.model.generate(torch.tensor([prompt_ids], device=base.device), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=sorted(base.eos_token_ids), **extra)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - start
+
+
+def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, strategy: DecodeConfig | str,
+            max_new_tokens: int) -> BenchRow:
+    prompt_ids = base.chat_ids(prompt.text)
+    if isinstance(strategy, str):
+        output, seconds = run_hf(base, prompt_ids, strategy, max_new_tokens)
+        return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(output), steps=len(output),
+                        mean_accepted=float("nan"), seconds=seconds, tokens_per_s=len(output) / seconds,
+                        phase_seconds={}, output_ids=output)
+    start = time.perf_counter()
+    session = decode(base, heads, prompt_ids, strategy)
+    seconds = time.perf_counter() - start
+    steps = len(session.records)
+    phases = {phase: sum(getattr(r.times, phase) for r in session.records) for phase in PHASES}
+    phases["prefill"] = session.prefill_seconds
+    return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(session.output_ids), steps=steps,
+                    mean_accepted=session.tokens_per_step, seconds=seconds,
+                    tokens_per_s=len(session.output_ids) / seconds, phase_seconds=phases,
+                    output_ids=session.output_ids)
+
+
+def summarise(rows: list[BenchRow], specs: list[str]) -> dict:
+    summary = {}
+    for spec in specs:
+        mine = [r for r in rows if r.strategy == spec]
+        tokens, seconds, steps = (sum(r.new_tokens for r in mine), sum(r.seconds for r in mine), sum(r.steps for r in mine))
+        step_tokens = sum(r.mean_accepted * r.steps for r in mine if r.steps and r.mean_accepted == r.mean_accepted)
+        phases = {p: sum(r.phase_seconds.get(p, 0.0) for r in mine) for p in PHASES + ("prefill",)}
+        compared = [r for r in mine if r.identical_to_ar is not None]
+        summary[spec] = {
+            "prompts": len(mine), "new_tokens": tokens, "steps": steps,
+            "mean_accepted": step_tokens / steps if step_tokens else None,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "median_prompt_tokens_per_s": statistics.median(r.tokens_per_s for r in mine) if mine else 0.0,
+            "ms_per_step": 1000 * sum(phases[p] for p in PHASES) / steps if steps else None,
+            "phase_ms_per_step": {p: 1000 * phases[p] / steps for p in PHASES} if steps else {},
+            "identical_to_ar": (sum(r.identical_to_ar for r in compared) / len(compared)) if compared else None,
+        }
+    if "ar" in summary and summary["ar"]["tokens_per_s"]:
+        for spec in specs:
+            summary[spec]["speedup_vs_ar"] = summary[spec]["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+    return summary
+
+
+def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs: list[str], config: DecodeConfig
+              ) -> list[BenchRow]:
+    """Every strategy on every prompt, interleaved; one short warm-up per strategy first."""
+    strategies = {spec: parse_strategy(spec, config) for spec in specs}
+    for spec, strategy in strategies.items():
+        warm = strategy if isinstance(strategy, str) else replace(strategy, max_new_tokens=4)
+        run_one(base, heads, prompts[0], spec, warm, 4)
+    rows: list[BenchRow] = []
+    with tqdm(total=len(prompts) * len(specs), desc="bench") as bar:
+        for prompt in prompts:
+            mine = {spec: run_one(base, heads, prompt, spec, strategies[spec], config.max_new_tokens) for spec in specs}
+            reference = mine.get("ar")
+            for spec, row in mine.items():
+                if reference is not None and spec != "ar" and config.accept.sampling.greedy:
+                    index = first_divergence(reference.output_ids, row.output_ids)
+                    same = index is None and len(reference.output_ids) == len(row.output_ids)
+                    row = replace(row, identical_to_ar=same, first_divergence=index)
+                rows.append(row)
+                bar.update(1)
+            bar.set_postfix({s: f"{r.tokens_per_s:.1f}" for s, r in mine.items()})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--rule", default="typical", help="acceptance rule when temperature > 0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="base model (default: the shipped SmolLM2)")
+    parser.add_argument("--heads", type=Path, default=None, help="heads folder (default: assets/heads)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    model_config = ModelConfig(dtype=args.dtype) if args.model is None else ModelConfig(name=args.model, dtype=args.dtype)
+    base = load_base_model(model_config)
+    if args.heads is not None:
+        from core.heads import load_heads
+        heads, heads_source = load_heads(args.heads, dtype=base.dtype, device=base.device), str(args.heads)
+    else:
+        heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size,
+                                            dtype=base.dtype, device=base.device)
+    sampling = SamplingConfig(temperature=args.temperature)
+    rule = "greedy" if sampling.greedy else args.rule
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,
+                          accept=AcceptConfig(rule=rule, sampling=sampling))
+    specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    prompts = read_prompts(args.prompts, args.limit)
+    rows = benchmark(base, heads, prompts, specs, config)
+    result = {
+        "config": {"prompts": str(args.prompts), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                   "strategies": specs, "dtype": args.dtype, "temperature": args.temperature, "rule": rule,
+                   "seed": args.seed},
+        "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
+        "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": platform.processor(),
+                   "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "summary": summarise(rows, specs),
+        "rows": [asdict(r) for r in rows],
+    }
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

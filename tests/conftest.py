@@ -1,0 +1,46 @@
+"""Shared fixtures: the real shipped model (loaded once per test run) and MT-Bench prompts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.heads import HeadsConfig, MedusaHeads, default_heads
+from core.model import ModelConfig, load_base_model
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+@pytest.fixture(scope="session")
+def mt_bench_prompts() -> list[str]:
+    rows = [json.loads(line) for line in (ASSETS / "data" / "mt_bench.jsonl").read_text().splitlines() if line.strip()]
+    return [row["turns"][0] for row in rows]
+
+
+@pytest.fixture(scope="session")
+def base_fp32():
+    return load_base_model(ModelConfig(dtype="fp32", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def base_bf16():
+    return load_base_model(ModelConfig(dtype="bf16", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def shipped_heads(base_fp32):
+    heads, _ = default_heads(base_fp32.model.config.hidden_size, base_fp32.model.config.vocab_size)
+    return heads
+
+
+@pytest.fixture(scope="session")
+def random_heads(base_fp32) -> MedusaHeads:
+    """Heads with random (non-zero) weights: they propose varied, mostly wrong tokens."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(hidden_size=base_fp32.model.config.hidden_size,
+                                    vocab_size=base_fp32.model.config.vocab_size))
+    for block in heads.heads:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.05)
+    return heads.eval().requires_grad_(False)

@@ -1,0 +1,121 @@
+"""The decoder on the real shipped model: greedy losslessness, KV commit, phases, limits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.decoder import DecodeConfig, decode, start_session
+from core.exactness import explain_divergence
+from core.kvcache import cache_length
+
+FP32_NEAR_TIE = 1e-4  # a tree forward and single-token forwards differ by ~5e-5 in fp32
+BF16_NEAR_TIE = 0.25  # bf16 logits of magnitude ~10-30 have a rounding step of 0.0625-0.125
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def plain_fp32(base_fp32, mt_bench_prompts):
+    """Plain greedy via transformers' generate, first 5 MT-Bench prompts."""
+    out = []
+    for prompt in mt_bench_prompts[:5]:
+        ids = base_fp32.chat_ids(prompt)
+        with torch.inference_mode():
+            generated = base_fp32.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                 eos_token_id=sorted(base_fp32.eos_token_ids))
+        out.append((ids, generated[0, len(ids):].tolist()))
+    return out
+
+
+def assert_lossless(base, prompt_ids, plain, speculative, bound):
+    divergence = explain_divergence(base, prompt_ids, plain, speculative)
+    if divergence is not None:  # allowed only at a floating-point near-tie of the plain run
+        assert divergence.logit_gap < bound, f"divergence at {divergence} is not a near-tie"
+    else:
+        assert len(plain) == len(speculative)
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "fixed", "dynamic"])
+def test_greedy_fp32_equals_plain_generate(base_fp32, shipped_heads, plain_fp32, strategy):
+    for prompt_ids, plain in plain_fp32:
+        session = decode(base_fp32, shipped_heads, prompt_ids, DecodeConfig(strategy=strategy, max_new_tokens=NEW_TOKENS))
+        assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
+        assert sum(len(r.new_tokens) for r in session.records) + 1 == len(session.output_ids)
+
+
+def test_greedy_fp32_random_heads_small_budget(base_fp32, random_heads, plain_fp32):
+    """Wrong guesses everywhere, a small dynamic tree and top-m 4: still the same text."""
+    prompt_ids, plain = plain_fp32[0]
+    config = DecodeConfig(strategy="dynamic", budget=7, top_m=4, depth=3, max_new_tokens=NEW_TOKENS)
+    session = decode(base_fp32, random_heads, prompt_ids, config)
+    assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
+
+
+def test_bf16_divergences_are_near_ties(base_bf16, mt_bench_prompts):
+    from core.heads import default_heads
+    heads, _ = default_heads(base_bf16.model.config.hidden_size, base_bf16.model.config.vocab_size, dtype=torch.bfloat16)
+    identical = 0
+    for prompt in mt_bench_prompts[5:8]:
+        ids = base_bf16.chat_ids(prompt)
+        plain = decode(base_bf16, None, ids, DecodeConfig(strategy="autoregressive", max_new_tokens=48)).output_ids
+        tree = decode(base_bf16, heads, ids, DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=48)).output_ids
+        divergence = explain_divergence(base_bf16, ids, plain, tree)
+        identical += divergence is None
+        if divergence is not None:
+            assert divergence.logit_gap < BF16_NEAR_TIE, divergence
+
+
+def test_commit_leaves_plain_cache(base_fp32, shipped_heads, mt_bench_prompts):
+    """After each step the cache holds prompt + accepted tokens, and the next logits match plain decoding."""
+    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[10], DecodeConfig(strategy="dynamic", max_new_tokens=40))
+    for _ in range(4):
+        session.step()
+        emitted = session.output_ids
+        assert cache_length(session.cache) == len(session.prompt_ids) + len(emitted) - 1  # last root not yet in cache
+        with torch.inference_mode():
+            ids = torch.tensor([session.prompt_ids + emitted[:-1]])
+            plain = base_fp32.model(input_ids=ids)
+            plain_keys = plain.past_key_values.layers[5].keys
+            # hidden of the last committed token -> next root logits
+            step_logits = base_fp32.lm_head(session.last_hidden).float()
+        assert torch.allclose(step_logits, plain.logits[0, -1].float(), atol=1e-4)
+        assert torch.allclose(session.cache.layers[5].keys, plain_keys, atol=1e-4)
+        assert session.root_token == emitted[-1]
+
+
+def test_step_record_contents(base_fp32, shipped_heads, mt_bench_prompts):
+    config = DecodeConfig(strategy="dynamic", budget=20, compare_fixed=True, max_new_tokens=30)
+    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], config)
+    record = session.step()
+    outcome = record.outcome
+    assert outcome.tree.num_nodes == 20 and len(outcome.node_tokens) == 21 and len(outcome.node_texts) == 21
+    assert outcome.accepted_nodes[0] == 0 and record.new_tokens[-1] == outcome.bonus_token
+    assert len(record.head_token_ids) == 4 and len(record.head_probs[0]) == 10
+    assert record.comparison is not None and record.comparison.tree.num_nodes == 63
+    assert record.times.verify > 0 and record.times.heads > 0 and record.times.compare > 0
+    # the comparison is not committed: the cache grew by the accepted path only
+    assert cache_length(session.cache) == record.context_length + outcome.accepted_length
+
+
+def test_stops_at_limit_and_refuses_more(base_fp32, shipped_heads):
+    session = decode(base_fp32, shipped_heads, "Count from one to fifty.", DecodeConfig(max_new_tokens=9))
+    assert len(session.output_ids) == 9 and session.stop_reason == "max_new_tokens"
+    with pytest.raises(RuntimeError, match="finished"):
+        session.step()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("budget", 10_000, "budget"), ("top_m", 0, "top_m"), ("depth", "4", "depth"),
+    ("max_new_tokens", -1, "max_new_tokens"), ("strategy", "beam", "strategy"),
+])
+def test_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeConfig(**{field: value})
+
+
+def test_bad_sessions(base_fp32, shipped_heads):
+    with pytest.raises(ValueError, match="empty"):
+        start_session(base_fp32, shipped_heads, "   ", DecodeConfig())
+    with pytest.raises(ValueError, match="heads"):
+        start_session(base_fp32, shipped_heads, "hi", DecodeConfig(depth=9))
+    with pytest.raises(ValueError, match="context"):
+        start_session(base_fp32, shipped_heads, list(range(9000)), DecodeConfig())

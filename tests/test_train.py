@@ -1,0 +1,60 @@
+"""Training: a tiny run lowers the loss and writes a loadable checkpoint; the calibrated tree is valid."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core.heads import load_heads
+from core.train import Features, TrainConfig, calibrated_choices, extract_features, head_loss, train_heads
+from core.tree import fixed_tree, load_named_trees
+from tests.test_tree import check_invariants
+
+
+@pytest.fixture(scope="module")
+def tiny_features(base_bf16) -> Features:
+    rows = []
+    for prompt in ["Name three colours.", "What is the capital of France?", "Write a haiku about rain."]:
+        ids = base_bf16.chat_ids(prompt)
+        with torch.inference_mode():
+            out = base_bf16.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        rows.append({"prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
+    return extract_features(base_bf16, rows)
+
+
+def test_tiny_training_lowers_loss_and_saves(base_bf16, tiny_features, tmp_path):
+    index = torch.arange(tiny_features.hidden.shape[0])
+    config = TrainConfig(num_heads=3, epochs=40, batch_size=64, lr=1e-2)
+    torch.manual_seed(0)
+    from core.heads import HeadsConfig, MedusaHeads
+    fresh = MedusaHeads(HeadsConfig(num_heads=3))
+    with torch.no_grad():
+        before, _ = head_loss(fresh, base_bf16.lm_head, tiny_features, index, config.decay)
+    heads = train_heads(base_bf16, tiny_features, config)
+    with torch.no_grad():
+        after, accuracy = head_loss(heads, base_bf16.lm_head, tiny_features, index, config.decay)
+    assert after < 0.7 * before
+    heads.save(tmp_path / "heads")
+    loaded = load_heads(tmp_path / "heads")
+    hidden = torch.randn(5, 576)
+    assert torch.allclose(loaded.head_states(hidden), heads.head_states(hidden))
+    assert json.loads((tmp_path / "heads" / "config.json").read_text())["num_heads"] == 3
+
+
+def test_calibrated_tree_is_valid_with_requested_size():
+    accuracy = [[0.5, 0.6, 0.65, 0.7, 0.72], [0.3, 0.4, 0.45, 0.5, 0.52], [0.2, 0.28, 0.32, 0.35, 0.37]]
+    for budget in (1, 8, 30):
+        tree = fixed_tree(calibrated_choices(accuracy, budget))
+        assert tree.num_nodes == budget
+        check_invariants(tree)
+    assert calibrated_choices(accuracy, 3) == [[0], [0, 0], [1]]
+
+
+def test_shipped_calibrated_tree():
+    trees = load_named_trees()
+    if "calibrated" not in trees:
+        pytest.fail("assets/trees.json has no calibrated tree")
+    tree = fixed_tree(trees["calibrated"])
+    assert tree.num_nodes == 63
+    check_invariants(tree)
