@@ -81,6 +81,8 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
             fixed_tree(choices)  # validate early
             return replace(base_config, strategy="fixed", fixed_tree=tuple(tuple(p) for p in choices))
         return replace(base_config, strategy="fixed", fixed_tree=name)
+    if kind == "dynamic" and arg == "auto":
+        return replace(base_config, strategy="dynamic", budget=63, auto_budget=True)
     if kind == "dynamic":
         return replace(base_config, strategy="dynamic", budget=int(arg) if arg else 63)
     if kind == "hf" and arg in ("greedy", "prompt_lookup"):

@@ -23,6 +23,7 @@ from core.accept import AcceptConfig, accept
 from core.heads import MedusaHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import BaseModel
+from core.profile import CostProfile, DepthCalibration, choose_budget, verify_profile
 from core.sampling import SamplingConfig, next_token
 from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
@@ -37,7 +38,8 @@ MAX_NEW_TOKENS = 1024
 class DecodeConfig:
     """Everything that decides how a prompt is decoded.
 
-    strategy: autoregressive | fixed | dynamic. budget: non-root nodes of the dynamic tree.
+    strategy: autoregressive | fixed | dynamic. budget: non-root nodes of the dynamic tree (the
+    upper bound when auto_budget picks the size each step from the verify-cost profile).
     top_m: candidates kept per head. depth: heads used (tree depth). fixed_tree: a shipped
     tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
     every dynamic step (for the side-by-side view; costs a second forward, never committed).
@@ -53,6 +55,7 @@ class DecodeConfig:
     seed: int = 0
     compare_fixed: bool = False
     record_texts: bool = True
+    auto_budget: bool = False  # dynamic:auto: per step, the node count (<= budget) maximising tokens/s
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -135,7 +138,7 @@ class DecodeSession:
     """One prompt being decoded: KV cache, emitted tokens and step records. Not thread-safe."""
 
     def __init__(self, base: BaseModel, heads: MedusaHeads | None, prompt_ids: Sequence[int],
-                 config: DecodeConfig) -> None:
+                 config: DecodeConfig, profile: CostProfile | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if config.strategy != "autoregressive":
@@ -155,6 +158,8 @@ class DecodeSession:
         if len(self.prompt_ids) + 1 >= base.max_positions:
             raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; the model's context is {base.max_positions}")
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
+        self.calibration = DepthCalibration()
         self.cache = DynamicCache()
         self.records: list[StepRecord] = []
         self.output_ids: list[int] = []
@@ -252,7 +257,19 @@ class DecodeSession:
     def _build_tree(self, head_probs: torch.Tensor) -> CandidateTree:
         if self.config.strategy == "fixed":
             return self.fixed
-        return dynamic_tree(head_probs[:, : self.config.top_m], self.config.budget)
+        tree = dynamic_tree(head_probs[:, : self.config.top_m], self.config.budget)
+        if not self.config.auto_budget:
+            return tree
+        # any prefix of the best-first order is itself a tree: keep the one with the best rate
+        size = choose_budget(tree.scores, tree.depths[1:], self.profile, self._overhead_ms(), self.calibration)
+        return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic")
+
+    def _overhead_ms(self) -> float:
+        """Mean non-verify time of recent steps (heads, tree, accept, commit); 2 ms before any."""
+        recent = self.records[-8:]
+        if not recent:
+            return 2.0
+        return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
 
     def _verify_and_accept(self, tree: CandidateTree, head_probs: torch.Tensor, head_ids: torch.Tensor
                            ) -> tuple[TreeOutcome, VerifyOutput, float, float]:
@@ -294,6 +311,8 @@ class DecodeSession:
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
+        if self.config.auto_budget:
+            self.calibration.update(tree.depths[1:], tree.scores or [], outcome.accepted_length - 1)
         new_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
         shown = min(self.config.top_m, 10)
         return StepRecord(
@@ -308,7 +327,7 @@ class DecodeSession:
 
 
 def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int],
-                  config: DecodeConfig) -> DecodeSession:
+                  config: DecodeConfig, profile: CostProfile | None = None) -> DecodeSession:
     """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session."""
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -316,12 +335,13 @@ def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequ
         prompt_ids = base.chat_ids(prompt)
     else:
         prompt_ids = [int(i) for i in prompt]
-    return DecodeSession(base, heads, prompt_ids, config)
+    return DecodeSession(base, heads, prompt_ids, config, profile)
 
 
-def decode(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int], config: DecodeConfig) -> DecodeSession:
+def decode(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int], config: DecodeConfig,
+           profile: CostProfile | None = None) -> DecodeSession:
     """Run a prompt to the end; the finished session holds the output and every step record."""
-    session = start_session(base, heads, prompt, config)
+    session = start_session(base, heads, prompt, config, profile)
     for _ in session.run():
         pass
     return session

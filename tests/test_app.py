@@ -1,0 +1,179 @@
+"""The app end to end through its API: launched in-process on a free port, driven by gradio_client.
+
+Small settings (budget 15, 16 new tokens) keep it quick on a 2-core CPU.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+
+import app  # noqa: E402  (builds the Blocks; launches nothing)
+import labstate  # noqa: E402
+from core.decoder import DecodeConfig, decode  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.filterwarnings("ignore:.*no_silent_downcasting:Warning"),
+              pytest.mark.filterwarnings("ignore:The copy keyword is deprecated:Warning")]
+
+OUT = {name: i for i, name in enumerate(app.VIEW_OUTPUT_NAMES)}
+SETTINGS = dict(strategy="dynamic", budget=15, top_m=8, depth=4, fixed_preset="mc_sim_7b_63", rule="greedy",
+                temperature=0.0, precision="fp32", max_new_tokens=16, compare_fixed=True)
+PROMPT_A = "Write a haiku about cats."
+PROMPT_B = "List three uses of <b>HTML</b> tags & why\nthey matter."
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url() -> str:
+    port = _free_port()
+    app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                    **app.launch_kwargs())
+    yield f"http://127.0.0.1:{port}/"
+    app.demo.close()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    """Plain greedy decoding of a prompt by core (the yardstick), cached per (prompt, tokens)."""
+    base = labstate.runtime("fp32").base  # the same model object the app uses
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def run(prompt: str, max_new_tokens: int = SETTINGS["max_new_tokens"]) -> list[int]:
+        key = (prompt, max_new_tokens)
+        if key not in cache:
+            config = DecodeConfig(strategy="autoregressive", max_new_tokens=max_new_tokens)
+            cache[key] = decode(base, None, prompt, config).output_ids
+        return cache[key]
+
+    return run
+
+
+def _client(url: str):
+    return gradio_client.Client(url, verbose=False, download_files=False)
+
+
+def _call(client, api: str, prompt: str | None = None, **overrides):
+    if api in ("start", "step", "run"):
+        kwargs = {**SETTINGS, **overrides}
+        if api == "run":
+            job = client.submit(prompt, **kwargs, api_name="/run")
+            outputs = list(job)
+            return outputs[-1], outputs
+        return client.predict(prompt, **kwargs, api_name=f"/{api}")
+    return client.predict(**overrides, api_name=f"/{api}")
+
+
+def _plot_points(view, name: str) -> int:
+    figure = json.loads(view[OUT[name]]["plot"])
+    nodes = [t for t in figure["data"] if t.get("name") == "candidate (colour = joint p)"]
+    return len(nodes[0]["x"]) if nodes else 0
+
+
+def test_start_step_run_matches_plain_greedy(url, plain_greedy):
+    client = _client(url)
+    view = _call(client, "start", PROMPT_A)
+    assert "Prefilled" in view[OUT["status"]]
+    assert view[OUT["summary"]]["tokens"] == 1 and view[OUT["summary"]]["steps"] == 0
+    for expected_steps in (1, 2, 3):
+        view = _call(client, "step", PROMPT_A)
+        summary = view[OUT["summary"]]
+        assert summary["steps"] == expected_steps and summary["viewing_step"] == expected_steps - 1
+    assert _plot_points(view, "tree") == 16  # root + 15 candidates
+    assert _plot_points(view, "tree_compare") == 64  # mc_sim_7b_63 + root
+    final, outputs = _call(client, "run", PROMPT_A)
+    assert len(outputs) >= 2  # streamed, one update per step
+    summary = final[OUT["summary"]]
+    reference = plain_greedy(PROMPT_A)
+    assert summary["finished"] and summary["output_ids"] == reference
+    assert summary["greedy_check"]["state"] == "ok"
+    assert "identical" in final[OUT["stats"]]
+    assert final[OUT["plain_text"]] == labstate.runtime("fp32").base.decode(reference)
+
+
+def test_step_auto_starts_and_two_clients_keep_separate_state(url, plain_greedy):
+    a, b = _client(url), _client(url)
+    for step in range(1, 4):
+        view_a = _call(a, "step", PROMPT_A)
+        view_b = _call(b, "step", PROMPT_B, budget=8, compare_fixed=False)
+        assert view_a[OUT["summary"]]["steps"] == step and view_a[OUT["summary"]]["prompt"] == PROMPT_A
+        assert view_b[OUT["summary"]]["steps"] == step and view_b[OUT["summary"]]["prompt"] == PROMPT_B
+    assert _plot_points(view_b, "tree") == 9
+    assert "dynamic strategy" in view_b[OUT["tree_compare"]]["plot"]  # comparison off: a message, no tree
+    final_b, _ = _call(b, "run", PROMPT_B, budget=8, compare_fixed=False)
+    final_a, _ = _call(a, "run", PROMPT_A)
+    assert final_a[OUT["summary"]]["output_ids"] == plain_greedy(PROMPT_A)
+    assert final_b[OUT["summary"]]["output_ids"] == plain_greedy(PROMPT_B)
+
+
+def test_view_past_step_and_trace(url):
+    client = _client(url)
+    final, _ = _call(client, "run", PROMPT_A, max_new_tokens=8)
+    steps = final[OUT["summary"]]["steps"]
+    past = client.predict(step_index=0, api_name="/view")
+    assert past[OUT["summary"]]["viewing_step"] == 0
+    assert past[OUT["summary"]]["steps"] == steps
+    file = client.predict(api_name="/trace")  # a FileData dict (download_files=False)
+    assert file["orig_name"].endswith(".json")
+    with urllib.request.urlopen(file["url"], timeout=30) as response:
+        trace = json.loads(response.read().decode("utf-8"))
+    assert len(trace["steps"]) == steps
+    assert trace["meta"]["output_ids"] == final[OUT["summary"]]["output_ids"]
+    assert trace["meta"]["decode_config"]["strategy"] == "dynamic"
+    assert all(step["comparison"] is not None for step in trace["steps"])
+
+
+def test_bad_input_gives_a_message_not_a_traceback(url):
+    client = _client(url)
+    view = _call(client, "start", "   ")
+    assert "Type a prompt" in view[OUT["status"]]
+    view = _call(client, "step", PROMPT_A, temperature=0.7)
+    assert "greedy rule needs temperature 0" in view[OUT["status"]]
+    with pytest.raises(Exception, match="no_such_tree"):  # gradio checks dropdown choices itself
+        _call(client, "step", PROMPT_A, fixed_preset="no_such_tree")
+    with pytest.raises(Exception, match="maximum"):  # gradio's own range check on the slider
+        _call(client, "start", PROMPT_A, budget=999)
+    view = client.predict(api_name="/check")
+    assert "Nothing to check" in view[OUT["status"]]
+    _call(client, "run", PROMPT_A, max_new_tokens=3)
+    view = _call(client, "step", PROMPT_A, max_new_tokens=3)
+    assert "finished" in view[OUT["status"]]
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "fixed"])
+def test_other_strategies(url, plain_greedy, strategy):
+    client = _client(url)
+    final, _ = _call(client, "run", PROMPT_A, strategy=strategy, max_new_tokens=6, depth=2)
+    summary = final[OUT["summary"]]
+    assert summary["output_ids"] == plain_greedy(PROMPT_A, 6)
+    if strategy == "autoregressive":
+        assert summary["steps"] == 5 and _plot_points(final, "tree") == 1
+        assert summary["greedy_check"]["text"] == "this is plain decoding"
+    else:
+        assert "cut to depth 2" in final[OUT["status"]]
+        assert _plot_points(final, "tree") == 1 + sum(1 for p in labstate.load_named_trees()["mc_sim_7b_63"]
+                                                      if len(p) <= 2)
+
+
+def test_run_can_be_stopped_then_stepped(url):
+    client = _client(url)
+    job = client.submit(PROMPT_B, **{**SETTINGS, "max_new_tokens": 200}, api_name="/run")
+    deadline = time.time() + 120
+    while len(job.outputs()) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert job.cancel()
+    time.sleep(1.0)
+    done = len(job.outputs())
+    view = _call(client, "step", PROMPT_B, max_new_tokens=200)
+    summary = view[OUT["summary"]]
+    assert not summary["finished"] and summary["steps"] >= done

@@ -1,0 +1,61 @@
+"""Adaptive budget: the choice is the arg-max of expected tokens per ms; the profile is cached."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.decoder import DecodeConfig, decode
+from core.profile import CostProfile, DepthCalibration, choose_budget, verify_profile
+
+FLAT = CostProfile(sizes=[1, 128], ms=[20.0, 20.0])
+STEEP = CostProfile(sizes=[1, 2, 4, 8, 16, 32, 64], ms=[40, 64, 60, 59, 73, 91, 147])
+
+
+def brute_force(scores, profile, overhead):
+    rates = [(1 + sum(scores[:n])) / (profile.cost(n + 1) + overhead) for n in range(len(scores) + 1)]
+    return max(range(len(rates)), key=lambda n: (rates[n], -n))
+
+
+@pytest.mark.parametrize("profile", [FLAT, STEEP])
+@pytest.mark.parametrize("scores", [[0.9, 0.5, 0.2, 0.1, 0.05, 0.01], [0.01] * 40, [0.6] * 10 + [0.001] * 50])
+def test_choose_budget_is_the_argmax(profile, scores):
+    depths = [1] * len(scores)
+    assert choose_budget(scores, depths, profile, 2.0) == brute_force(scores, profile, 2.0)
+
+
+def test_flat_cost_takes_everything_and_steep_cost_falls_back():
+    scores = [0.3] * 63
+    assert choose_budget(scores, [1] * 63, FLAT, 1.0) == 63
+    assert choose_budget([0.01] * 63, [1] * 63, STEEP, 1.0) == 0  # speculation cannot pay: root only
+
+
+def test_cost_interpolates_and_extrapolates():
+    assert STEEP.cost(1) == 40 and STEEP.cost(3) == pytest.approx(62)
+    assert STEEP.cost(128) > STEEP.cost(64)
+
+
+def test_calibration_scales_overconfident_depths():
+    calibration = DepthCalibration()
+    for _ in range(50):  # depth-2 nodes predicted at 0.8 but never accepted
+        calibration.update([1, 2], [0.9, 0.8], accepted_depth=1)
+    assert calibration.factor(1) > 0.9 and calibration.factor(2) < 0.1
+
+
+def test_profile_is_measured_once_and_cached(base_fp32, tmp_path):
+    verify_profile.cache_clear()
+    profile = verify_profile(base_fp32, tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["sizes"] == profile.sizes
+    assert all(a <= b for a, b in zip(profile.ms, profile.ms[1:])) and profile.ms[0] > 0
+    verify_profile.cache_clear()
+    assert verify_profile(base_fp32, tmp_path) == profile  # read back, not re-measured
+
+
+def test_auto_budget_stays_lossless(base_fp32, shipped_heads, mt_bench_prompts):
+    for prompt in mt_bench_prompts[20:22]:
+        plain = decode(base_fp32, None, prompt, DecodeConfig(strategy="autoregressive", max_new_tokens=32))
+        for profile in (FLAT, STEEP):
+            auto = decode(base_fp32, shipped_heads, prompt,
+                          DecodeConfig(strategy="dynamic", auto_budget=True, max_new_tokens=32), profile=profile)
+            assert auto.output_ids == plain.output_ids
