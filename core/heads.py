@@ -36,12 +36,13 @@ class HeadsConfig:
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(Linear(x)). Zero-initialised weight: a fresh head starts as the identity."""
+    """x + SiLU(Linear(x)). Zero-initialised (SiLU(0) = 0): a fresh head starts as the identity."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
