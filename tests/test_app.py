@@ -177,3 +177,45 @@ def test_run_can_be_stopped_then_stepped(url):
     view = _call(client, "step", PROMPT_B, max_new_tokens=200)
     summary = view[OUT["summary"]]
     assert not summary["finished"] and summary["steps"] >= done
+
+
+# -- the state/services layer without the server -------------------------------------------------------
+@pytest.mark.parametrize("bad, message", [
+    (dict(budget=0), "node budget"), (dict(budget=15.5), "whole number"), (dict(strategy="beam"), "strategy"),
+    (dict(rule="typical", temperature=3), "temperature"), (dict(temperature=0.5), "greedy rule"),
+    (dict(precision="fp8"), "precision"), (dict(max_new_tokens=2000), "max new tokens"),
+    (dict(fixed_preset="nope"), "unknown fixed tree"), (dict(top_m=None), "whole number"),
+])
+def test_parse_settings_rejects_bad_values(bad, message):
+    assert labstate.parse_settings(**SETTINGS).budget == 15
+    with pytest.raises(labstate.LabInputError, match=message):
+        labstate.parse_settings(**{**SETTINGS, **bad})
+
+
+def test_decode_config_cuts_deep_fixed_trees_and_rejects_missing_heads():
+    config, note = labstate.decode_config(labstate.parse_settings(**{**SETTINGS, "depth": 2}), num_heads=4)
+    assert all(len(p) <= 2 for p in config.fixed_tree) and "cut to depth 2" in note
+    config, note = labstate.decode_config(labstate.parse_settings(**SETTINGS), num_heads=4)
+    assert config.fixed_tree == "mc_sim_7b_63" and note == "" and config.compare_fixed
+    with pytest.raises(labstate.LabInputError, match="exceeds"):
+        labstate.decode_config(labstate.parse_settings(**{**SETTINGS, "depth": 5}), num_heads=4)
+
+
+def test_greedy_check_reports_a_divergence_with_its_logit_gap():
+    lab = labstate.LabState()
+    with pytest.raises(labstate.LabInputError, match="prompt"):
+        labstate.start_run(lab, " ", labstate.Settings())
+    run = labstate.start_run(lab, PROMPT_A, labstate.Settings(budget=8, max_new_tokens=6, compare_fixed=False))
+    while not run.session.finished:
+        labstate.step_run(lab, run)
+    with pytest.raises(labstate.LabInputError, match="finished"):
+        labstate.step_run(lab, run)
+    assert labstate.greedy_check(lab, run, compute=False).state == "pending"
+    assert labstate.greedy_check(lab, run, compute=True).state == "ok"
+    assert labstate.ar_baseline(lab, run).measured
+    reference = lab.references[run.reference_key]
+    reference.output_ids[3] += 1  # plant a divergence at token 3
+    check = labstate.greedy_check(lab, run, compute=False)
+    assert check.state == "diff" and check.position == 3
+    assert check.logit_gap is not None and 0 <= check.logit_gap < 1e4
+    assert "differs at token 3" in check.text

@@ -1,6 +1,7 @@
 """viz/ from hand-made StepRecords: no model, no gradio, fast."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -116,7 +117,7 @@ def test_fixed_tree_figure_nodes_edges_path_and_labels():
     assert list(bonus.text) == ["&lt;i&gt;bonus&lt;/i&gt;"]
     assert bonus.x[0] == 4  # one column after the last accepted node (depth 3)
     assert "&lt;tree&gt;" not in fig.layout.title.text  # the title is ours: not escaped, not token text
-    assert list(fig.layout.xaxis.ticktext) == ["root", "head 1", "head 2", "head 3", "head 4"]
+    assert list(fig.layout.xaxis.ticktext) == ["root", "head 1", "head 2", "head 3", "bonus"]
 
 
 def test_joint_probability_drives_colour_and_size():
@@ -134,7 +135,7 @@ def test_dynamic_tree_of_256_nodes():
     outcome = _dynamic_outcome(budget=256, accepted=None)
     deep = max(range(1, 257), key=lambda i: (outcome.tree.depths[i], -i))
     accepted = outcome.tree.ancestors(deep)
-    outcome = TreeOutcome(**{**outcome.__dict__, "accepted_nodes": accepted})
+    outcome = dataclasses.replace(outcome, accepted_nodes=accepted)
     fig = tree_figure(outcome, "Dynamic")
     nodes = _trace(fig, "candidate (colour = joint p)")
     assert len(nodes.x) == 257 and len(nodes.hovertext) == 257
@@ -153,11 +154,14 @@ def test_autoregressive_tree_is_root_and_bonus():
     assert _segments(_trace(fig, "candidate edge")) == 0
     bonus = _trace(fig, "bonus token (base model)")
     assert list(bonus.text) == ["␣&lt;b&gt;"] and bonus.x[0] == 1
+    assert list(fig.layout.xaxis.ticktext) == ["root", "bonus"]
+    assert nodes.marker.showscale is False
 
 
 def test_empty_figure_has_message():
     fig = empty_figure("nothing yet")
     assert fig.layout.annotations[0].text == "nothing yet"
+    assert "<br>" in empty_figure("a long message " * 8).layout.annotations[0].text
 
 
 # -- mask -----------------------------------------------------------------------------------------
@@ -244,7 +248,10 @@ def test_heads_html_marks_accepted_guesses_and_escapes():
     page = heads_html(_record(0, _fixed_outcome()))
     assert page.count('class="acc"') == 3  # one per accepted depth (rank 0 each)
     assert "&lt;b&gt;" in page and "<b>" not in page
-    assert "autoregressive" in heads_html(None)
+    assert "after the first step" in heads_html(None)
+    plain = dataclasses.replace(_record(0, _autoregressive_outcome(), strategy="autoregressive"), head_probs=[],
+                                head_token_ids=[], head_texts=[])
+    assert "autoregressive" in heads_html(plain)
 
 
 def test_stats_html():

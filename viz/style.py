@@ -1,0 +1,43 @@
+"""Colours and sizes shared by every view (chosen to read well on a projector)."""
+from __future__ import annotations
+
+ACCEPTED = "#15803d"  # green: head guesses the base model confirmed
+BONUS = "#ea580c"  # orange: the base model's own token after the accepted path
+ROOT = "#475569"  # slate: the root, already emitted by the previous step
+EDGE = "#cbd5e1"
+GRID = "#e2e8f0"
+TEXT = "#0f172a"
+FONT = "Inter, 'DejaVu Sans', Arial, sans-serif"
+
+# joint probability -> colour (log scale from 1e-4 to 1)
+PROB_COLORSCALE = [[0.0, "#e0f2fe"], [0.35, "#7dd3fc"], [0.7, "#0284c7"], [1.0, "#1e3a8a"]]
+LOG_PROB_FLOOR = -4.0
+
+# one colour per phase of a step, in pipeline order
+PHASE_COLOURS = {
+    "heads": "#a855f7",
+    "tree": "#f59e0b",
+    "verify": "#0284c7",
+    "accept": "#15803d",
+    "commit": "#64748b",
+    "compare": "#cbd5e1",
+}
+
+# the decoding strategies in the cumulative plot
+STRATEGY_COLOURS = {"dynamic": "#0284c7", "fixed": "#a855f7", "autoregressive": "#64748b"}
+
+# pale backgrounds cycling over steps in the generated text (matching .s0 ... .s7 in app.css)
+STEP_CYCLE = 8
+
+
+def base_layout(title: str, height: int) -> dict:
+    """Layout defaults shared by all figures."""
+    return {
+        "title": {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 16}},
+        "height": height,
+        "margin": {"l": 40, "r": 20, "t": 70, "b": 40},
+        "paper_bgcolor": "white",
+        "plot_bgcolor": "white",
+        "font": {"family": FONT, "size": 13, "color": TEXT},
+        "hoverlabel": {"font": {"family": FONT, "size": 13}},
+    }
