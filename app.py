@@ -154,12 +154,15 @@ def _prefill_view(lab: LabState, run: Run, message: str) -> tuple:
     text = run.runtime.base.token_texts([first])[0]
     stats, check = _stats(lab, run, compute_check=False)
     view = list(_empty_view(""))
-    view[0] = _status(run, message or "Prefilled. Press **Step** to run the first tree.")
+    default = ("The first token (from the prefill) already ended the run." if run.session.finished
+               else "Prefilled. Press **Step** to run the first tree.")
+    view[0] = _status(run, message or default)
     view[1] = stats_html(stats)
     view[2] = text_html(emitted_tokens([], first, text, 1))
     view[3] = run.runtime.base.decode([first])
     view[4] = _summary(run, stats, check, None)
-    blank = empty_figure("Prefill done: the base model chose the root. Press Step.")
+    blank = empty_figure("Prefill done: the base model chose the first token." +
+                         ("" if run.session.finished else " Press Step for the first tree."))
     view[6] = view[7] = blank
     return (lab, *view)
 
