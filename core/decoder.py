@@ -12,6 +12,7 @@ emits exactly one.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
@@ -190,6 +191,16 @@ class DecodeSession:
         self.records.append(record)
         return record
 
+    def fork(self, seed: int) -> "DecodeSession":
+        """An independent copy at the current point (own cache and random generator), e.g. to
+        draw many samples from one prefill."""
+        twin = copy.copy(self)
+        twin.cache = copy.deepcopy(self.cache)
+        twin.records, twin.output_ids = list(self.records), list(self.output_ids)
+        twin.calibration = copy.deepcopy(self.calibration)
+        twin.generator = torch.Generator().manual_seed(seed)
+        return twin
+
     def run(self) -> Iterator[StepRecord]:
         """Step until EOS, the token limit or the context limit."""
         while not self.finished:
@@ -244,7 +255,8 @@ class DecodeSession:
     def _propose(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-m probabilities and token ids of each head: ([D, m], [D, m])."""
         width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
-        heads = self.heads.heads[: self.config.depth]
+        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
+        heads = self.heads.heads[: max(self.config.depth, self.fixed.max_depth if self.fixed else 0)]
         hidden = self.last_hidden[None]  # [1, H]
         if self.heads.config.own_lm_head:
             logits = torch.stack([head(hidden)[0] for head in heads])  # [D, V]
@@ -257,7 +269,7 @@ class DecodeSession:
     def _build_tree(self, head_probs: torch.Tensor) -> CandidateTree:
         if self.config.strategy == "fixed":
             return self.fixed
-        tree = dynamic_tree(head_probs[:, : self.config.top_m], self.config.budget)
+        tree = dynamic_tree(head_probs[: self.config.depth, : self.config.top_m], self.config.budget)
         if not self.config.auto_budget:
             return tree
         # any prefix of the best-first order is itself a tree: keep the one with the best rate
