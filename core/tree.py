@@ -83,6 +83,9 @@ class CandidateTree:
         has_child = set(self.parents[1:])
         return [i for i in range(self.num_nodes + 1) if i not in has_child]
 
+    def __contains__(self, path: object) -> bool:
+        return path in self._index
+
     def node_index(self, path: RankPath) -> int:
         return 0 if not path else self._index[path]
 

@@ -1,0 +1,129 @@
+"""Exact greedy simulation of tokens per step, for many trees at once.
+
+Under greedy decoding the output is known in advance (plain greedy's), so whether a tree's
+path is accepted depends only on the heads' proposals at each step's starting position and on
+the next greedy tokens. One teacher-forced forward over prompt + greedy answer gives every
+hidden state; each tree is then walked step by step without further model calls. The result
+equals the real decoder's tokens per step up to floating-point near-ties (tests check it).
+
+    python -m core.simulate --answers data/mt_bench_answers.jsonl \
+        --trees fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63 \
+        --out assets/results/tokens_per_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from core.heads import MedusaHeads, default_heads
+from core.model import BaseModel, ModelConfig, load_base_model
+from core.tree import CandidateTree, dynamic_tree, named_tree
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """`fixed:<name>` or `dynamic:<budget>`."""
+
+    label: str
+    fixed: CandidateTree | None = None
+    budget: int = 0
+
+
+def parse_tree_spec(spec: str) -> TreeSpec:
+    kind, _, arg = spec.partition(":")
+    if kind == "fixed":
+        return TreeSpec(label=spec, fixed=named_tree(arg or "mc_sim_7b_63"))
+    if kind == "dynamic":
+        return TreeSpec(label=spec, budget=int(arg or 63))
+    raise ValueError(f"unknown tree spec {spec!r}")
+
+
+@torch.inference_mode()
+def head_proposals(base: BaseModel, heads: MedusaHeads, prompt_ids: list[int], answer_ids: list[int],
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`width` head probabilities and ids at every step start: ([L, K, width], [L, K, width])."""
+    seq = torch.tensor([prompt_ids + answer_ids], device=base.device)  # [1, P+L]
+    hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
+    starts = hidden[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(answer_ids)]  # [L, H]: predicts a_i
+    logits = heads(starts, base.lm_head).float()  # [K, L, V]
+    top = torch.topk(torch.softmax(logits, dim=-1), width, dim=-1)
+    return top.values.transpose(0, 1).cpu(), top.indices.transpose(0, 1).cpu()  # [L, K, width]
+
+
+def accepted_depth(tree: CandidateTree, ranks: list[int | None]) -> int:
+    """Deepest d such that the path of the true tokens' ranks (r1..rd) is a node of the tree."""
+    depth = 0
+    for d in range(1, len(ranks) + 1):
+        path = tuple(ranks[:d])
+        if None in path or path not in tree:
+            break
+        depth = d
+    return depth
+
+
+def simulate_answer(probs: torch.Tensor, ids: torch.Tensor, answer_ids: list[int], spec: TreeSpec,
+                    top_m: int) -> tuple[int, int]:
+    """(steps, tokens emitted by steps) for one greedy answer under one tree."""
+    length = len(answer_ids)
+    i, steps, emitted = 0, 0, 0
+    while i < length - 1:
+        depth_limit = probs.shape[1]
+        if spec.fixed is not None:
+            tree = spec.fixed
+        else:
+            tree = dynamic_tree(probs[i, :, :top_m], spec.budget)
+        ranks: list[int | None] = []
+        for d in range(1, min(depth_limit, tree.max_depth) + 1):
+            if i + d >= length:
+                break
+            hits = (ids[i, d - 1] == answer_ids[i + d]).nonzero()
+            ranks.append(int(hits[0]) if len(hits) else None)
+        accepted = accepted_depth(tree, ranks)
+        step_tokens = min(accepted + 1, length - 1 - i)
+        steps += 1
+        emitted += step_tokens
+        i += step_tokens
+    return steps, emitted
+
+
+def simulate(base: BaseModel, heads: MedusaHeads, rows: list[dict], specs: list[TreeSpec], top_m: int = 32
+             ) -> dict[str, float]:
+    """Mean accepted tokens per step of each tree over greedy answers `rows` (prompt_ids, answer_ids)."""
+    width = max([top_m] + [s.fixed.max_rank + 1 for s in specs if s.fixed is not None])
+    totals = {s.label: [0, 0] for s in specs}
+    for row in tqdm(rows, desc="simulate"):
+        probs, ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], width)
+        for spec in specs:
+            steps, emitted = simulate_answer(probs, ids, row["answer_ids"], spec, top_m)
+            totals[spec.label][0] += steps
+            totals[spec.label][1] += emitted
+    return {label: emitted / steps for label, (steps, emitted) in totals.items() if steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--answers", type=Path, required=True, help="JSONL with prompt_ids and answer_ids")
+    parser.add_argument("--trees", default="fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63")
+    parser.add_argument("--top-m", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    base = load_base_model(ModelConfig(dtype="fp32", device="cpu"))
+    heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size)
+    rows = [json.loads(line) for line in args.answers.read_text().split("\n") if line.strip()]
+    specs = [parse_tree_spec(s) for s in args.trees.split(",")]
+    result = {"answers": str(args.answers), "prompts": len(rows), "new_tokens": sum(len(r["answer_ids"]) for r in rows),
+              "heads": heads_source, "model": base.source, "top_m": args.top_m,
+              "tokens_per_step": simulate(base, heads, rows, specs, args.top_m)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["tokens_per_step"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Tree speculative sampling preserves the base model's sampling distribution exactly."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from core.accept import AcceptConfig
+from core.decoder import DecodeConfig, start_session
+from core.heads import HeadsConfig, MedusaHeads
+from core.model import BaseModel, ModelConfig
+from core.sampling import SamplingConfig, sampling_probs
+
+VOCAB = 6
+DRAWS = 20_000
+PROMPT = [1, 4, 2, 5]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny forwards: one thread avoids thread hand-off overhead (and leaves a core free)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[BaseModel, MedusaHeads]:
+    return make_tiny()
+
+
+def make_tiny() -> tuple[BaseModel, MedusaHeads]:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # peaked, varied next-token distributions
+    model.generation_config.eos_token_id = [VOCAB + 100]  # never emitted: always 3 tokens
+    base = BaseModel(model=model, tokenizer=None, config=ModelConfig(), source="tiny random llama")
+    heads = MedusaHeads(HeadsConfig(num_heads=3, hidden_size=32, vocab_size=VOCAB))
+    for block in heads.heads:
+        torch.nn.init.normal_(block[0].linear.weight, std=1.0)
+    return base, heads.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def exact_three_token_distribution(base: BaseModel, sampling: SamplingConfig) -> torch.Tensor:
+    """P(x1, x2, x3) of plain sampling, by enumeration: [VOCAB**3]."""
+    sequences = torch.tensor([PROMPT + list(t) for t in itertools.product(range(VOCAB), repeat=3)])
+    logits = base.model(input_ids=sequences).logits  # [V^3, T, V]
+    probs = sampling_probs(logits[:, len(PROMPT) - 1: len(PROMPT) + 2], sampling)  # [V^3, 3, V]
+    picked = probs.gather(2, sequences[:, len(PROMPT):, None])[..., 0]  # [V^3, 3]
+    return picked.prod(dim=1).double()
+
+
+def draw_counts(base: BaseModel, heads: MedusaHeads, rule: str, sampling: SamplingConfig, draws: int = DRAWS) -> torch.Tensor:
+    counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
+    config = DecodeConfig(strategy="dynamic", budget=10, top_m=3, depth=3, max_new_tokens=3, record_texts=False,
+                          accept=AcceptConfig(rule=rule, sampling=sampling))
+    root_session = start_session(base, heads, PROMPT, config)
+    first_token_probs = sampling_probs(base.model(input_ids=torch.tensor([PROMPT])).logits[0, -1], sampling)
+    generator = torch.Generator().manual_seed(1234)
+    for seed in range(draws):
+        session = root_session.fork(seed)
+        # the first token comes from the prefill distribution: redraw it per sample
+        session.root_token = int(torch.multinomial(first_token_probs, 1, generator=generator))
+        session.output_ids = [session.root_token]
+        while not session.finished:
+            session.step()
+        a, b, c = session.output_ids
+        counts[a * VOCAB * VOCAB + b * VOCAB + c] += 1
+    return counts / draws
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
+    return 0.5 * float((p - q).abs().sum())
+
+
+def null_threshold(exact: torch.Tensor, draws: int = DRAWS) -> float:
+    """1.5x the largest TV of 20 honest multinomial samples of the same size."""
+    generator = torch.Generator().manual_seed(7)
+    values = []
+    for _ in range(20):
+        sample = torch.multinomial(exact.float(), draws, replacement=True, generator=generator)
+        values.append(total_variation(torch.bincount(sample, minlength=len(exact)).double() / draws, exact))
+    return 1.5 * max(values)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)])
+def test_tree_speculative_sampling_matches_plain_sampling(tiny, sampling):
+    base, heads = tiny
+    exact = exact_three_token_distribution(base, sampling)
+    threshold = null_threshold(exact)
+    assert total_variation(draw_counts(base, heads, "speculative", sampling), exact) < threshold
+
+
+def test_control_typical_acceptance_is_biased(tiny):
+    """The same test catches a rule that is not distribution-preserving."""
+    base, heads = tiny
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_three_token_distribution(base, sampling)
+    draws = 4000  # the bias is large: fewer draws suffice
+    assert total_variation(draw_counts(base, heads, "typical", sampling, draws), exact) > null_threshold(exact, draws)
