@@ -1,0 +1,77 @@
+"""Benchmark results (the JSON written by `python -m core.bench`) as figures and a Markdown table.
+
+    python -m viz.bench_plot assets/results/bench_bf16.json [more.json ...] --html assets/results/bench.html
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+PHASES = ("heads", "tree", "verify", "accept", "commit")
+
+
+def bench_figure(result: dict, title: str = "") -> go.Figure:
+    """Tokens/s (with speed-up vs autoregressive) and tokens per step, one bar per strategy."""
+    summary = result["summary"]
+    names = list(summary)
+    speed = [summary[n]["tokens_per_s"] for n in names]
+    ratio = [summary[n].get("speedup_vs_ar") for n in names]
+    per_step = [summary[n].get("mean_accepted") or 0.0 for n in names]
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("tokens / s", "tokens per step"))
+    figure.add_bar(x=names, y=speed, text=[f"{r:.2f}x" if r else "" for r in ratio], textposition="outside",
+                   marker_color="#4c6ef5", name="tokens/s", row=1, col=1)
+    figure.add_bar(x=names, y=per_step, text=[f"{v:.2f}" for v in per_step], textposition="outside",
+                   marker_color="#37b24d", name="tokens/step", row=1, col=2)
+    dtype = result.get("config", {}).get("dtype", "")
+    figure.update_layout(title=title or f"MT-Bench, {dtype}, {result.get('config', {}).get('limit')} prompts",
+                         showlegend=False, height=420, margin=dict(t=70, b=110))
+    return figure
+
+
+def phase_figure(result: dict) -> go.Figure:
+    """Milliseconds per step by phase, stacked, for the strategies that record phases."""
+    summary = {n: s for n, s in result["summary"].items() if s.get("phase_ms_per_step")}
+    figure = go.Figure()
+    for phase in PHASES:
+        figure.add_bar(x=list(summary), y=[s["phase_ms_per_step"][phase] for s in summary.values()], name=phase)
+    figure.update_layout(barmode="stack", title="ms per step by phase", yaxis_title="ms", height=380)
+    return figure
+
+
+def markdown_table(result: dict) -> str:
+    """One row per strategy: tokens/step, tokens/s, speed-up vs AR, ms per step, identical share."""
+    lines = ["| strategy | tokens/step | tokens/s | vs AR | ms/step | identical to AR |",
+             "|---|---|---|---|---|---|"]
+    for name, s in result["summary"].items():
+        per_step = f"{s['mean_accepted']:.2f}" if s.get("mean_accepted") else "-"
+        ms = f"{s['ms_per_step']:.1f}" if s.get("ms_per_step") else "-"
+        same = f"{100 * s['identical_to_ar']:.0f} %" if s.get("identical_to_ar") is not None else "-"
+        ratio = f"{s['speedup_vs_ar']:.2f}x" if s.get("speedup_vs_ar") else "-"
+        lines.append(f"| {name} | {per_step} | {s['tokens_per_s']:.1f} | {ratio} | {ms} | {same} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--html", type=Path, required=True)
+    args = parser.parse_args()
+    parts = []
+    for number, path in enumerate(args.results):
+        result = json.loads(path.read_text())
+        parts.append(f"<h2>{path.name}</h2><pre>{markdown_table(result)}</pre>")
+        # plotly.js embedded once (no network needed to view the report)
+        parts.append(bench_figure(result, path.stem).to_html(full_html=False, include_plotlyjs=number == 0))
+        parts.append(phase_figure(result).to_html(full_html=False, include_plotlyjs=False))
+    args.html.write_text("<html><body>" + "\n".join(parts) + "</body></html>")
+    for path in args.results:
+        print(path.name)
+        print(markdown_table(json.loads(path.read_text())))
+
+
+if __name__ == "__main__":
+    main()
