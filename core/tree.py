@@ -91,23 +91,27 @@ class CandidateTree:
 
     def ancestors(self, node: int) -> list[int]:
         """Node indices from the root down to `node`, inclusive."""
-        chain = []
-        while node >= 0:
-            chain.append(node)
-            node = self.parents[node]
-        return chain[::-1]
+        return list(self._chains[node])
+
+    @cached_property
+    def _chains(self) -> list[list[int]]:
+        """Root-to-node index chains, built parents first (each chain extends its parent's)."""
+        chains = [[0]]
+        for node in range(1, self.num_nodes + 1):
+            chains.append(chains[self.parents[node]] + [node])
+        return chains
 
     @cached_property
     def _buffers(self) -> TreeBuffers:
         size = self.num_nodes + 1
+        chains = self._chains
+        rows = torch.tensor([node for node, chain in enumerate(chains) for _ in chain])
+        cols = torch.tensor([ancestor for chain in chains for ancestor in chain])
         mask = torch.zeros(size, size, dtype=torch.bool)  # [n+1, n+1]
-        rows = [self.ancestors(leaf) for leaf in self.leaves]
-        for node in range(size):
-            mask[node, self.ancestors(node)] = True
-        width = max(len(r) for r in rows)
-        retrieve = torch.full((len(rows), width), -1, dtype=torch.long)  # [leaves, max_depth+1]
-        for i, row in enumerate(rows):
-            retrieve[i, : len(row)] = torch.tensor(row)
+        mask[rows, cols] = True
+        leaf_chains = [chains[leaf] for leaf in self.leaves]
+        width = max(len(c) for c in leaf_chains)
+        retrieve = torch.tensor([c + [-1] * (width - len(c)) for c in leaf_chains], dtype=torch.long)  # [leaves, D+1]
         return TreeBuffers(
             attn_mask=mask,
             position_ids=torch.tensor(self.depths, dtype=torch.long),  # [n+1]

@@ -24,13 +24,19 @@ def check_invariants(tree: CandidateTree) -> None:
     assert len(seen) == len(paths)
     buffers = tree.buffers()
     n = tree.num_nodes
+    index = {path: i + 1 for i, path in enumerate(paths)}
+
+    def ancestors(node: int) -> list[int]:  # from the paths alone, independent of the tree's own helpers
+        path = paths[node - 1] if node else ()
+        return [0] + [index[path[:j]] for j in range(1, len(path) + 1)]
+
     assert buffers.attn_mask.shape == (n + 1, n + 1) and buffers.attn_mask.dtype == torch.bool
     assert buffers.position_ids.tolist() == [0] + [len(p) for p in paths]
     for node in range(n + 1):
-        ancestors = set(tree.ancestors(node))
-        assert set(torch.nonzero(buffers.attn_mask[node]).flatten().tolist()) == ancestors
-        assert len(ancestors) == buffers.position_ids[node] + 1
-    has_child = {tree.parents[i] for i in range(1, n + 1)}
+        chain = set(ancestors(node))
+        assert set(torch.nonzero(buffers.attn_mask[node]).flatten().tolist()) == chain
+        assert len(chain) == buffers.position_ids[node] + 1
+    has_child = {index[p[:-1]] if len(p) > 1 else 0 for p in paths}
     leaves = [i for i in range(n + 1) if i not in has_child]
     rows = buffers.retrieve_indices
     assert rows.shape[0] == len(leaves)
@@ -38,7 +44,7 @@ def check_invariants(tree: CandidateTree) -> None:
     for row in rows:
         nodes = row[row >= 0].tolist()
         assert (row[len(nodes):] == -1).all()
-        assert nodes == tree.ancestors(nodes[-1])  # a root-to-leaf path
+        assert nodes == ancestors(nodes[-1])  # a root-to-leaf path
 
 
 head_probs_strategy = st.integers(1, 5).flatmap(
