@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from core.datagen import generate_batch
 from core.heads import HeadsConfig, MedusaHeads
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
 
@@ -144,18 +145,17 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig) -> Med
     return heads.eval().requires_grad_(False)
 
 
-@torch.inference_mode()
 def mt_bench_answers(base_fp32: BaseModel, max_new_tokens: int, cache: Path) -> list[dict]:
-    """The base model's fp32 greedy answers to the 80 MT-Bench first turns (cached)."""
+    """The base model's fp32 greedy answers to the 80 MT-Bench first turns (cached), batched by 8."""
     if cache.exists():
         return load_rows(cache)
+    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
     rows = []
-    for line in tqdm(MT_BENCH.read_text().splitlines(), desc="MT-Bench answers (fp32)"):
-        question = json.loads(line)
-        ids = base_fp32.chat_ids(question["turns"][0])
-        out = base_fp32.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                       eos_token_id=sorted(base_fp32.eos_token_ids))
-        rows.append({"id": question.get("question_id"), "prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
+    for start in tqdm(range(0, len(questions), 8), desc="MT-Bench answers (fp32)"):
+        chunk = questions[start:start + 8]
+        answers = generate_batch(base_fp32, [q["turns"][0] for q in chunk], max_new_tokens, sample=False)
+        rows += [{"id": q.get("question_id"), "prompt_ids": base_fp32.chat_ids(q["turns"][0]), "answer_ids": a}
+                 for q, a in zip(chunk, answers)]
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows

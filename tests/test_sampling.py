@@ -106,3 +106,34 @@ def test_control_typical_acceptance_is_biased(tiny):
     exact = exact_three_token_distribution(base, sampling)
     draws = 4000  # the bias is large: fewer draws suffice
     assert total_variation(draw_counts(base, heads, "typical", sampling, draws), exact) > null_threshold(exact, draws)
+
+
+SHIPPED_DRAWS = 1000
+
+
+def test_shipped_model_speculative_sampling_matches_plain(base_fp32, shipped_heads):
+    """The token after the root (head-proposed or bonus) follows the base distribution exactly."""
+    sampling = SamplingConfig(temperature=1.0)
+    config = DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=8, record_texts=False,
+                          accept=AcceptConfig(rule="speculative", sampling=sampling))
+    start = start_session(base_fp32, shipped_heads, "Write one sentence about the sea.", config)
+    with torch.inference_mode():
+        ids = torch.tensor([start.prompt_ids + [start.root_token]])
+        exact = sampling_probs(base_fp32.model(input_ids=ids).logits[0, -1], sampling).double()  # [V]
+    entropy = float(-(exact * exact.clamp_min(1e-30).log()).sum())
+    assert entropy > 1.0, "pick a prompt whose continuation is not near-deterministic"
+    counts = torch.zeros_like(exact)
+    for seed in range(SHIPPED_DRAWS):
+        record = start.fork(seed).step()
+        counts[record.new_tokens[0]] += 1
+    empirical = counts / SHIPPED_DRAWS
+    # compare on the 30 likeliest tokens plus one bucket for the rest
+    top = exact.topk(30).indices
+    def bucket(p: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p[top], (1 - p[top].sum()).reshape(1)])
+    exact_b, empirical_b = bucket(exact), bucket(empirical)
+    generator = torch.Generator().manual_seed(3)
+    null = [total_variation(torch.bincount(torch.multinomial(exact_b.float(), SHIPPED_DRAWS, replacement=True,
+                                                             generator=generator), minlength=31).double() / SHIPPED_DRAWS,
+                            exact_b) for _ in range(20)]
+    assert total_variation(empirical_b, exact_b) < 1.5 * max(null)
