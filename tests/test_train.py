@@ -58,3 +58,20 @@ def test_shipped_calibrated_tree():
     tree = fixed_tree(trees["calibrated"])
     assert tree.num_nodes == 63
     check_invariants(tree)
+
+
+def test_shipped_heads_load_by_default_and_predict(base_fp32, mt_bench_prompts):
+    """Guard against shipping broken or mismatched weights (random heads score ~0)."""
+    from core.heads import DEFAULT_HEADS_DIR, default_heads
+    from core.train import head_accuracy
+    assert (DEFAULT_HEADS_DIR / "heads.safetensors").exists(), "assets/heads is not shipped"
+    heads, description = default_heads(base_fp32.model.config.hidden_size, base_fp32.model.config.vocab_size)
+    assert description.startswith("trained")
+    rows = []
+    for prompt in mt_bench_prompts[40:44]:
+        ids = base_fp32.chat_ids(prompt)
+        with torch.inference_mode():
+            out = base_fp32.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
+        rows.append({"prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
+    accuracy = head_accuracy(base_fp32, heads, rows)
+    assert accuracy[0][0] > 0.15, accuracy
