@@ -422,8 +422,6 @@ def start_prepared(lab: LabState, prepared: Prepared) -> Run:
         raise LabInputError(str(error)) from error
     finally:
         lab.lock.release()
-    if session.finished:
-        _release_cache(session)
     lab.run = Run(prompt=prepared.prompt, settings=prepared.settings, runtime=rt, session=session,
                   note=prepared.note)
     return lab.run
@@ -438,11 +436,6 @@ def _acquire(lab: LabState) -> bool:
     return lab.lock.acquire(timeout=STEP_LOCK_TIMEOUT_S)
 
 
-def _release_cache(session: DecodeSession) -> None:
-    """A finished session never steps again: drop its KV cache (the bulk of a session's memory)."""
-    session.cache = DynamicCache()
-
-
 def step_run(lab: LabState, run: Run) -> StepRecord:
     """One decoding step of `run` (serialised per user: a session is not thread-safe)."""
     if run.session.finished:
@@ -452,13 +445,7 @@ def step_run(lab: LabState, run: Run) -> StepRecord:
     try:
         if run.session.finished:  # another request finished it while this one waited
             raise LabNotice(f"Decoding has finished ({run.session.stop_reason}). Press Start for a new run.")
-        record = run.session.step()
-        records = run.session.records
-        if len(records) > 1:  # the attention mask of older trees is rebuilt when viewed; keep memory flat
-            records[-2].outcome.tree.__dict__.pop("_buffers", None)
-        if run.session.finished:
-            _release_cache(run.session)
-        return record
+        return run.session.step()  # a finished session frees its own KV cache
     finally:
         lab.lock.release()
 

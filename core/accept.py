@@ -11,7 +11,7 @@
   candidate is a point mass), and on rejection r <- normalise(r with x removed). The bonus
   token is drawn from the final r. Every emitted token is distributed exactly as plain sampling.
 
-All rules take the verify logits of every node and return the accepted node path (root first)
+All rules take the verified tree (logits projected on demand) and return the accepted node path (root first)
 and the bonus token, which is the next step's root.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from core.sampling import SamplingConfig, next_token, sampling_probs
 from core.tree import CandidateTree
+from core.verify import VerifyOutput
 
 RULES = ("greedy", "typical", "speculative")
 
@@ -53,26 +54,38 @@ def _longest_rows(tree: CandidateTree, node_ok: torch.Tensor) -> tuple[torch.Ten
     return retrieve, ok.long().cumprod(dim=1).sum(dim=1)  # [L]
 
 
-def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor) -> AcceptResult:
+def _inner_nodes(tree: CandidateTree) -> list[int]:
+    """Nodes with children (the root always): the only ones whose logits judge other nodes."""
+    return sorted(set(tree.parents[1:]) | {0})
+
+
+def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput) -> AcceptResult:
     """Longest path agreeing with the base argmax at every node; bonus = argmax after it."""
-    predicted = logits.argmax(dim=-1)  # [n+1]
-    parents = torch.tensor(tree.parents, device=logits.device).clamp_min(0)  # [n+1]
-    node_ok = node_tokens.to(logits.device) == predicted[parents]  # [n+1]
+    inner = _inner_nodes(tree)
+    device = verified.hidden.device
+    predicted = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long, device=device)  # [n+1]
+    predicted[inner] = verified.logits(inner).argmax(dim=-1)
+    parents = torch.tensor(tree.parents, device=device).clamp_min(0)  # [n+1]
+    node_ok = node_tokens.to(device) == predicted[parents]  # [n+1]
     node_ok[0] = True  # the root is the base model's own token
     retrieve, lengths = _longest_rows(tree, node_ok)
     best = int(lengths.argmax())
     nodes = retrieve[best, : int(lengths[best])].tolist()
-    return AcceptResult(accepted_nodes=nodes, bonus_token=int(predicted[nodes[-1]]))
+    return AcceptResult(accepted_nodes=nodes, bonus_token=int(verified.row(nodes[-1]).argmax()))
 
 
-def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor, config: AcceptConfig,
+def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,
                    generator: torch.Generator | None) -> AcceptResult:
     """Medusa's typical acceptance (not distribution-preserving)."""
-    probs = torch.softmax(logits.float() / config.sampling.temperature, dim=-1)  # [n+1, V]
-    entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)  # [n+1]
-    threshold = torch.clamp(config.typical_alpha * torch.exp(-entropy), max=config.typical_threshold)  # [n+1]
-    parents = torch.tensor(tree.parents, device=logits.device).clamp_min(0)  # [n+1]
-    tokens = node_tokens.to(logits.device)
+    inner = _inner_nodes(tree)
+    device = verified.hidden.device
+    probs = torch.softmax(verified.logits(inner) / config.sampling.temperature, dim=-1)  # [inner, V]
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)  # [inner]
+    threshold = torch.clamp(config.typical_alpha * torch.exp(-entropy), max=config.typical_threshold)  # [inner]
+    row_of = torch.zeros(tree.num_nodes + 1, dtype=torch.long, device=device)  # node -> row in `probs`
+    row_of[inner] = torch.arange(len(inner), device=device)
+    parents = row_of[torch.tensor(tree.parents, device=device).clamp_min(0)]  # [n+1] parent's row
+    tokens = node_tokens.to(device)
     token_prob = probs[parents, tokens]  # [n+1] p_parent(token)
     node_ok = token_prob > threshold[parents]
     node_ok[0] = True
@@ -80,16 +93,16 @@ def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch
     longest = lengths.max()
     log_prob = torch.log(token_prob.clamp_min(1e-30))
     log_prob[0] = 0.0
-    steps = torch.arange(retrieve.shape[1], device=logits.device)[None]  # [1, D+1]
+    steps = torch.arange(retrieve.shape[1], device=device)[None]  # [1, D+1]
     in_prefix = steps < lengths[:, None]  # [L, D+1]
     likelihood = torch.where(in_prefix, log_prob[retrieve.clamp_min(0)], 0.0).sum(dim=1)  # [L]
     likelihood = likelihood.masked_fill(lengths < longest, float("-inf"))
     best = int(likelihood.argmax())
     nodes = retrieve[best, : int(longest)].tolist()
-    return AcceptResult(accepted_nodes=nodes, bonus_token=next_token(logits[nodes[-1]], config.sampling, generator))
+    return AcceptResult(accepted_nodes=nodes, bonus_token=next_token(verified.row(nodes[-1]), config.sampling, generator))
 
 
-def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor, config: AcceptConfig,
+def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,
                        generator: torch.Generator | None) -> AcceptResult:
     """Recursive rejection sampling down the tree; exact in distribution."""
     children: dict[int, list[int]] = {}
@@ -99,7 +112,7 @@ def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, logits: t
     node = 0
     nodes = [0]
     while True:
-        residual = sampling_probs(logits[node], config.sampling).cpu().double()  # [V]
+        residual = sampling_probs(verified.row(node), config.sampling).cpu().double()  # [V]
         moved = False
         for child in children.get(node, []):
             token = tokens[child]
@@ -118,13 +131,13 @@ def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, logits: t
             return AcceptResult(accepted_nodes=nodes, bonus_token=bonus)
 
 
-def accept(tree: CandidateTree, node_tokens: torch.Tensor, logits: torch.Tensor, config: AcceptConfig,
+def accept(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,
            generator: torch.Generator | None = None) -> AcceptResult:
-    """Apply the configured rule. node_tokens: long [n+1]; logits: float [n+1, V]."""
+    """Apply the configured rule. node_tokens: long [n+1]; `verified` gives logits per node on demand."""
     if config.sampling.greedy or config.rule == "greedy":
         if not config.sampling.greedy:
             raise ValueError("the greedy rule needs temperature 0; use typical or speculative to sample")
-        return accept_greedy(tree, node_tokens, logits)
+        return accept_greedy(tree, node_tokens, verified)
     if config.rule == "typical":
-        return accept_typical(tree, node_tokens, logits, config, generator)
-    return accept_speculative(tree, node_tokens, logits, config, generator)
+        return accept_typical(tree, node_tokens, verified, config, generator)
+    return accept_speculative(tree, node_tokens, verified, config, generator)

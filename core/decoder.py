@@ -151,13 +151,16 @@ class DecodeSession:
         self.heads = heads
         self.config = config
         self.fixed = config.resolve_fixed_tree() if config.strategy == "fixed" or config.compare_fixed else None
+        if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
+            raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
         if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
             raise ValueError(f"the fixed tree is {self.fixed.max_depth} deep but only "
                              f"{heads.config.num_heads if heads else 0} heads are loaded")
         self.prompt_ids = list(prompt_ids)
         self._max_tree_nodes = max(config.budget, self.fixed.num_nodes if self.fixed else 0)
-        if len(self.prompt_ids) + 1 >= base.max_positions:
-            raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; the model's context is {base.max_positions}")
+        if len(self.prompt_ids) + self._max_tree_nodes + 2 > base.max_positions:
+            raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; with a {self._max_tree_nodes}-node tree "
+                             f"it does not fit the model's context of {base.max_positions}")
         self.generator = torch.Generator().manual_seed(config.seed)
         self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
         self.calibration = DepthCalibration()
@@ -172,6 +175,10 @@ class DecodeSession:
     @property
     def finished(self) -> bool:
         return self.stop_reason is not None
+
+    def release(self) -> None:
+        """Free the KV cache (done automatically when decoding finishes); records stay."""
+        self.cache = DynamicCache()
 
     @property
     def tokens_per_step(self) -> float:
@@ -189,6 +196,8 @@ class DecodeSession:
             record = self._step_tree()
         record = replace(record, new_tokens=self._emit(record.new_tokens))
         self.records.append(record)
+        if self.finished:
+            self.release()
         return record
 
     def fork(self, seed: int) -> "DecodeSession":
@@ -213,9 +222,11 @@ class DecodeSession:
             ids = torch.tensor(self.prompt_ids)
             out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)), None)
         self.last_hidden = out.hidden[-1]  # [H]
-        self.root_token = next_token(out.logits[-1], self.config.accept.sampling, self.generator)
+        self.root_token = next_token(out.row(len(self.prompt_ids) - 1), self.config.accept.sampling, self.generator)
         self.prefill_seconds = time.perf_counter() - start
         self._emit([self.root_token])
+        if self.finished:  # the first token already ended it
+            self.release()
 
     def _emit(self, tokens: list[int]) -> list[int]:
         """Append tokens up to EOS / the token limit; returns those actually emitted."""
@@ -242,7 +253,7 @@ class DecodeSession:
         t0 = _clock(device)
         out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]), None)
         t1 = _clock(device)
-        bonus = next_token(out.logits[0], self.config.accept.sampling, self.generator)
+        bonus = next_token(out.row(0), self.config.accept.sampling, self.generator)
         t2 = _clock(device)
         self.last_hidden, self.root_token = out.hidden[0], bonus
         outcome = TreeOutcome(tree=CandidateTree(paths=[], kind="autoregressive"), node_tokens=[int(self.output_ids[-1])],
@@ -292,7 +303,7 @@ class DecodeSession:
         t0 = _clock(device)
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
         t1 = _clock(device)
-        result = accept(tree, tokens, out.logits, self.config.accept, self.generator)
+        result = accept(tree, tokens, out, self.config.accept, self.generator)
         t2 = _clock(device)
         token_list = tokens.tolist()
         # dynamic trees carry their (top-m renormalised) scores; fixed ones use the raw marginals
@@ -344,6 +355,10 @@ def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequ
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"the prompt is not valid text (character {error.start}: a lone surrogate?)") from None
         prompt_ids = base.chat_ids(prompt)
     else:
         prompt_ids = [int(i) for i in prompt]

@@ -44,7 +44,7 @@ class CandidateTree:
     def __post_init__(self) -> None:
         index: dict[RankPath, int] = {}
         for i, path in enumerate(self.paths):
-            if not path or any((not isinstance(r, int)) or r < 0 for r in path):
+            if not path or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in path):
                 raise ValueError(f"path {path!r}: ranks must be non-negative integers")
             if path in index:
                 raise ValueError(f"path {path!r} appears twice")
@@ -101,8 +101,8 @@ class CandidateTree:
             chains.append(chains[self.parents[node]] + [node])
         return chains
 
-    @cached_property
-    def _buffers(self) -> TreeBuffers:
+    def buffers(self) -> TreeBuffers:
+        """Attention mask, position ids and retrieve indices (not cached: records stay small)."""
         size = self.num_nodes + 1
         chains = self._chains
         rows = torch.tensor([node for node, chain in enumerate(chains) for _ in chain])
@@ -117,10 +117,6 @@ class CandidateTree:
             position_ids=torch.tensor(self.depths, dtype=torch.long),  # [n+1]
             retrieve_indices=retrieve,
         )
-
-    def buffers(self) -> TreeBuffers:
-        """Attention mask, position ids and retrieve indices (computed once per tree)."""
-        return self._buffers
 
     def node_tokens(self, root_token: int, head_token_ids: torch.Tensor) -> torch.Tensor:
         """Token of every node: root first, then head d's rank-r token for path (..., r).

@@ -4,18 +4,40 @@ The mask, position ids and cache are passed explicitly; nothing is stored on the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import DynamicCache
 
 from core.model import BaseModel
 
 
-@dataclass(frozen=True)
 class VerifyOutput:
-    hidden: torch.Tensor  # [n+1, H] last (normed) hidden state of every node
-    logits: torch.Tensor  # [n+1, V] float32 next-token logits of every node
+    """Hidden states of every verified token; logits computed only for the rows asked for.
+
+    The vocabulary projection of a 64-node tree is a [64, H] x [H, 49152] matmul, about a
+    quarter of a CPU verify. Acceptance only needs the logits of nodes that have children
+    and of the last accepted node, so rows are projected on demand and cached.
+    """
+
+    def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> None:
+        self.hidden = hidden  # [n, H] last (normed) hidden state of every token
+        self._lm_head = lm_head
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        """float32 next-token logits of `rows`: [len(rows), V]."""
+        missing = [r for r in dict.fromkeys(rows) if r not in self._rows]
+        if missing:
+            projected = self._lm_head(self.hidden[missing]).float()  # [len(missing), V]
+            self._rows.update(zip(missing, projected))
+        return torch.stack([self._rows[r] for r in rows])
+
+    def row(self, index: int) -> torch.Tensor:
+        """float32 logits of one row: [V]."""
+        return self.logits([index])[0]
+
+    @property
+    def projected_rows(self) -> int:
+        return len(self._rows)
 
 
 def tree_attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype,
@@ -41,8 +63,7 @@ def forward_tokens(base: BaseModel, cache: DynamicCache, input_ids: torch.Tensor
         past_key_values=cache,
         use_cache=True,
     )
-    hidden = out.last_hidden_state[0]  # [n, H]
-    return VerifyOutput(hidden=hidden, logits=base.lm_head(hidden).float())  # [n, V]
+    return VerifyOutput(out.last_hidden_state[0], base.lm_head)  # hidden [n, H]
 
 
 def verify_tree(base: BaseModel, cache: DynamicCache, node_tokens: torch.Tensor, tree_mask: torch.Tensor,
