@@ -50,6 +50,7 @@ from core.accept import RULES
 from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 from core.tree import load_named_trees
 from labstate import LabInputError, LabNotice, LabState, Run, Settings
+from viz.bench_plot import bench_figure, markdown_table
 from viz.mask_plot import mask_figure
 from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text_html
 from viz.timing_plot import accepted_figure, cumulative_figure, phase_figure
@@ -59,6 +60,7 @@ from viz.tree_plot import empty_figure, tree_figure
 ASSETS = Path(__file__).resolve().parent / "assets"
 MT_BENCH = ASSETS / "data" / "mt_bench.jsonl"
 CSS_PATH = ASSETS / "app.css"
+RESULTS = ASSETS / "results"
 DEFAULTS = Settings()
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 CONCURRENCY = int(os.environ.get("MEDUSA_LAB_CONCURRENCY", "2"))
@@ -549,6 +551,21 @@ def _num_heads() -> int:
     return DEFAULTS.depth
 
 
+def _benchmark_tab() -> None:
+    """The committed `python -m core.bench` results (assets/results/bench_*.json), read at build time."""
+    files = sorted(RESULTS.glob("bench_*.json"))
+    if not files:
+        gr.Markdown("No benchmark results are shipped yet: run `python -m core.bench ... --out assets/results/bench_NAME.json`.")
+        return
+    for path in files:
+        result = json.loads(path.read_text())
+        config = result["config"]
+        gr.Markdown(f"#### {path.stem}: {config.get('limit') or 'all'} prompts from `{Path(config['prompts']).name}`, "
+                    f"{config['max_new_tokens']} new tokens, {config['dtype']}, {result['device']['type']}\n\n"
+                    + markdown_table(result))
+        gr.Plot(bench_figure(result, path.stem), show_label=False)
+
+
 def build_demo() -> gr.Blocks:
     """The whole UI. Nothing is loaded or launched here."""
     with gr.Blocks(title="Medusa Tree Lab", delete_cache=(3600, 3600)) as demo:
@@ -597,6 +614,8 @@ def build_demo() -> gr.Blocks:
                                                label="accepted")
                             cumulative = gr.Plot(empty_figure(""), show_label=False, elem_id="cumulative-plot",
                                                  label="cumulative")
+                    with gr.Tab("Benchmarks"):
+                        _benchmark_tab()
                     with gr.Tab("Text & summary"):
                         plain_text = gr.Textbox(label="Decoded text", lines=8, interactive=False,
                                                 buttons=["copy"], elem_id="plain-text")
