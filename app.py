@@ -483,8 +483,9 @@ HOW_IT_WORKS = """
 **Heads.** The base model reads the text and, at its last position, predicts the next token: the
 *root* of this step's tree (left column). Medusa adds K small *heads* on the same hidden state; head k
 guesses the token k+1 positions ahead. The **Heads** table under the trees lists each head's top guesses
-with their probabilities. Untrained heads (the default until trained ones ship) mostly guess wrong, so
-expect about one token per step.
+with their probabilities. The shipped heads were trained on about 100k tokens of the model's own answers:
+on MT-Bench head 1's top guess is right about 20 % of the time and within its top 5 about 45 %, so
+expect about 1.6-1.8 tokens per step (Medusa's heads on Vicuna-7B: 56 % and 78 %).
 
 **Trees.** Combining the heads' guesses gives candidate continuations: a path root → head 1 rank r1 →
 head 2 rank r2 … is one guess of the next tokens. Medusa's *fixed* tree uses the same rank paths at every
@@ -498,7 +499,8 @@ so every branch is scored as if it were the only continuation. Position ids are 
 
 **Acceptance.** The base model's predictions at each node decide which path survives (green). *Greedy*
 keeps the longest path that matches the base model's argmax, so the text is exactly plain greedy
-decoding's (the check card above says so); *typical* accepts plausible tokens (faster, not exact);
+decoding's (the check card above says so); *typical* (Medusa's rule) accepts any plausible token: faster,
+but it does **not** preserve the sampling distribution;
 *speculative* sampling accepts with rejection sampling and keeps the sampling distribution. After the
 accepted path the base model's own next token comes for free: the orange **bonus** token, which is the
 next step's root. A step therefore emits accepted guesses + 1 tokens.
