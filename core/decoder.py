@@ -24,7 +24,7 @@ from core.accept import AcceptConfig, accept
 from core.heads import MedusaHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import BaseModel
-from core.profile import CostProfile, DepthCalibration, choose_budget, verify_profile
+from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate, verify_profile
 from core.sampling import SamplingConfig, next_token
 from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
@@ -164,6 +164,8 @@ class DecodeSession:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
         self.calibration = DepthCalibration()
+        self._plain_until = 0  # dynamic:auto: plain steps until this record index (backing off)
+        self._backoff = 0
         self.cache = DynamicCache()
         self.records: list[StepRecord] = []
         self.output_ids: list[int] = []
@@ -190,8 +192,8 @@ class DecodeSession:
         """Run one decoding step; raises RuntimeError when the session has finished."""
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
-        if self.config.strategy == "autoregressive":
-            record = self._step_autoregressive()
+        if self.config.strategy == "autoregressive" or len(self.records) < self._plain_until:
+            record = self._step_autoregressive()  # dynamic:auto falls back while speculation cannot pay
         else:
             record = self._step_tree()
         record = replace(record, new_tokens=self._emit(record.new_tokens))
@@ -284,15 +286,28 @@ class DecodeSession:
         if not self.config.auto_budget:
             return tree
         # any prefix of the best-first order is itself a tree: keep the one with the best rate
-        size = choose_budget(tree.scores, tree.depths[1:], self.profile, self._overhead_ms(), self.calibration)
+        size, rate = best_prefix(tree.scores, tree.depths[1:], self.profile, self._overhead_ms(tree_steps=True),
+                                 self.calibration)
+        if rate < plain_rate(self.profile, self._overhead_ms(tree_steps=False)):
+            self._backoff = min(max(1, 2 * self._backoff), 16)
+            self._plain_until = len(self.records) + 1 + self._backoff
+        else:
+            self._backoff = 0
         return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic")
 
-    def _overhead_ms(self) -> float:
-        """Mean non-verify time of recent steps (heads, tree, accept, commit); 2 ms before any."""
-        recent = self.records[-8:]
-        if not recent:
-            return 2.0
-        return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
+    def _overhead_ms(self, tree_steps: bool) -> float:
+        """Mean non-verify time (heads, tree, accept, commit) of recent tree or plain steps.
+
+        Before any plain step, a plain step's overhead is estimated by the tree steps' accept
+        time (which includes projecting the bonus row, the main cost of a plain step's rest).
+        """
+        recent = [r for r in self.records[-16:] if (r.strategy != "autoregressive") == tree_steps]
+        if recent:
+            return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
+        tree_recent = [r for r in self.records[-16:] if r.strategy != "autoregressive"]
+        if not tree_steps and tree_recent:
+            return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
+        return 2.0
 
     def _verify_and_accept(self, tree: CandidateTree, head_probs: torch.Tensor, head_ids: torch.Tensor
                            ) -> tuple[TreeOutcome, VerifyOutput, float, float]:

@@ -9,7 +9,10 @@ prefix of the best-first node order that maximises expected tokens per second:
     n* = argmax_n  (1 + sum_{i<n} c[depth_i] * score_i) / (cost(n + 1) + overhead)
 
 where score_i is node i's joint head probability (its chance to be accepted if the heads are
-calibrated) and c[d] corrects it per depth from the acceptance observed so far.
+calibrated) and c[d] corrects it per depth from the acceptance observed so far. When even the
+best tree (heads included in its overhead) is expected to be slower than plain decoding, the
+decoder skips the heads for the next steps (1, 2, 4 ... 16 plain steps, then tries again), so
+speculation that cannot pay costs almost nothing.
 """
 from __future__ import annotations
 
@@ -129,9 +132,9 @@ class DepthCalibration:
             self.observed[depth - 1] += 1.0 if accepted_depth >= depth else 0.0
 
 
-def choose_budget(scores: list[float], depths: list[int], profile: CostProfile, overhead_ms: float,
-                  calibration: DepthCalibration | None = None) -> int:
-    """The prefix length n (0 = root only) maximising expected tokens per ms. Pure function.
+def best_prefix(scores: list[float], depths: list[int], profile: CostProfile, overhead_ms: float,
+                calibration: DepthCalibration | None = None) -> tuple[int, float]:
+    """(n, expected tokens per ms) of the best prefix length n (0 = root only). Pure function.
 
     scores/depths: the best-first node order of a dynamic tree (any prefix is a valid tree).
     """
@@ -142,4 +145,15 @@ def choose_budget(scores: list[float], depths: list[int], profile: CostProfile, 
         rate = expected / (profile.cost(n + 1) + overhead_ms)
         if rate > best_rate:
             best_n, best_rate = n, rate
-    return best_n
+    return best_n, best_rate
+
+
+def choose_budget(scores: list[float], depths: list[int], profile: CostProfile, overhead_ms: float,
+                  calibration: DepthCalibration | None = None) -> int:
+    """The prefix length n maximising expected tokens per ms (see `best_prefix`)."""
+    return best_prefix(scores, depths, profile, overhead_ms, calibration)[0]
+
+
+def plain_rate(profile: CostProfile, overhead_ms: float) -> float:
+    """Tokens per ms of plain decoding: one token per single-token forward, no heads."""
+    return 1.0 / (profile.cost(1) + overhead_ms)

@@ -59,3 +59,15 @@ def test_auto_budget_stays_lossless(base_fp32, shipped_heads, mt_bench_prompts):
             auto = decode(base_fp32, shipped_heads, prompt,
                           DecodeConfig(strategy="dynamic", auto_budget=True, max_new_tokens=32), profile=profile)
             assert auto.output_ids == plain.output_ids
+
+
+def test_auto_falls_back_to_plain_steps_when_speculation_cannot_pay(base_fp32, shipped_heads, mt_bench_prompts):
+    """A verify that costs 20x a single token: the session backs off to plain steps, stays lossless."""
+    hopeless = CostProfile(sizes=[1, 2, 128], ms=[40.0, 800.0, 1000.0])
+    prompt = mt_bench_prompts[3]
+    plain = decode(base_fp32, None, prompt, DecodeConfig(strategy="autoregressive", max_new_tokens=24))
+    auto = decode(base_fp32, shipped_heads, prompt, DecodeConfig(strategy="dynamic", auto_budget=True,
+                                                                  max_new_tokens=24), profile=hopeless)
+    kinds = [r.strategy for r in auto.records]
+    assert auto.output_ids == plain.output_ids
+    assert kinds.count("autoregressive") >= len(kinds) // 2 and "dynamic" in kinds
