@@ -288,8 +288,9 @@ class DecodeSession:
         # any prefix of the best-first order is itself a tree: keep the one with the best rate
         size, rate = best_prefix(tree.scores, tree.depths[1:], self.profile, self._overhead_ms(tree_steps=True),
                                  self.calibration)
-        if rate < plain_rate(self.profile, self._overhead_ms(tree_steps=False)):
-            self._backoff = min(max(1, 2 * self._backoff), 16)
+        plain = plain_rate(self.profile, self._overhead_ms(tree_steps=False))
+        if rate < plain:  # clearly hopeless: back off fully at once; marginal: double the back-off
+            self._backoff = 16 if rate < 0.8 * plain else min(max(1, 2 * self._backoff), 16)
             self._plain_until = len(self.records) + 1 + self._backoff
         else:
             self._backoff = 0

@@ -11,8 +11,9 @@ prefix of the best-first node order that maximises expected tokens per second:
 where score_i is node i's joint head probability (its chance to be accepted if the heads are
 calibrated) and c[d] corrects it per depth from the acceptance observed so far. When even the
 best tree (heads included in its overhead) is expected to be slower than plain decoding, the
-decoder skips the heads for the next steps (1, 2, 4 ... 16 plain steps, then tries again), so
-speculation that cannot pay costs almost nothing.
+decoder skips the heads for the next steps (16 plain steps when the best tree is expected to be
+more than 20 % slower, else 1, 2, 4 ... 16, then it tries again), so speculation that cannot pay
+costs almost nothing.
 """
 from __future__ import annotations
 
