@@ -288,13 +288,24 @@ class DecodeSession:
         # any prefix of the best-first order is itself a tree: keep the one with the best rate
         size, rate = best_prefix(tree.scores, tree.depths[1:], self.profile, self._overhead_ms(tree_steps=True),
                                  self.calibration)
-        plain = plain_rate(self.profile, self._overhead_ms(tree_steps=False))
-        if rate < plain:  # clearly hopeless: back off fully at once; marginal: double the back-off
+        plain = self._measured_rate(tree_steps=False) or plain_rate(self.profile, self._overhead_ms(tree_steps=False))
+        measured = self._measured_rate(tree_steps=True)
+        if measured is not None and measured < plain:  # what tree steps really delivered lost to plain steps
+            self._backoff = 16
+            self._plain_until = len(self.records) + 1 + self._backoff
+        elif rate < plain:  # clearly hopeless: back off fully at once; marginal: double the back-off
             self._backoff = 16 if rate < 0.8 * plain else min(max(1, 2 * self._backoff), 16)
             self._plain_until = len(self.records) + 1 + self._backoff
         else:
             self._backoff = 0
         return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic")
+
+    def _measured_rate(self, tree_steps: bool) -> float | None:
+        """Tokens per ms that the last 8 tree (or plain) steps actually delivered; None before 3 of them."""
+        recent = [r for r in self.records[-64:] if (r.strategy != "autoregressive") == tree_steps][-8:]
+        if len(recent) < 3:
+            return None
+        return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
 
     def _overhead_ms(self, tree_steps: bool) -> float:
         """Mean non-verify time (heads, tree, accept, commit) of recent tree or plain steps.

@@ -12,7 +12,8 @@ where score_i is node i's joint head probability (its chance to be accepted if t
 calibrated) and c[d] corrects it per depth from the acceptance observed so far. When even the
 best tree (heads included in its overhead) is expected to be slower than plain decoding, the
 decoder skips the heads for the next steps (16 plain steps when the best tree is expected to be
-more than 20 % slower, else 1, 2, 4 ... 16, then it tries again), so speculation that cannot pay
+more than 20 % slower, or when the tokens per ms that recent tree steps actually delivered fell
+below plain steps'; else 1, 2, 4 ... 16; then it tries again), so speculation that cannot pay
 costs almost nothing.
 """
 from __future__ import annotations
