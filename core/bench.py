@@ -25,7 +25,7 @@ from tqdm import tqdm
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, decode
 from core.exactness import first_divergence
-from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads
+from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree
@@ -183,7 +183,6 @@ def main() -> None:
     model_config = ModelConfig(dtype=args.dtype) if args.model is None else ModelConfig(name=args.model, dtype=args.dtype)
     base = load_base_model(model_config)
     if args.heads is not None:
-        from core.heads import load_heads
         heads, heads_source = load_heads(args.heads, dtype=base.dtype, device=base.device), str(args.heads)
     else:
         heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size,

@@ -46,10 +46,12 @@ def parse_tree_spec(spec: str) -> TreeSpec:
 @torch.inference_mode()
 def head_proposals(base: BaseModel, heads: MedusaHeads, prompt_ids: list[int], answer_ids: list[int],
                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`width` head probabilities and ids at every step start: ([L, K, width], [L, K, width])."""
+    """Top-`width` head probabilities and ids at every answer position, teacher-forced (one forward):
+    ([L, K, width], [L, K, width]); row j holds what the heads guess from the hidden state that predicts a_j."""
     seq = torch.tensor([prompt_ids + answer_ids], device=base.device)  # [1, P+L]
     hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
     starts = hidden[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(answer_ids)]  # [L, H]: predicts a_i
+    starts = starts.to(next(heads.parameters()).dtype)
     logits = heads(starts, base.lm_head).float()  # [K, L, V]
     top = torch.topk(torch.softmax(logits, dim=-1), width, dim=-1)
     return top.values.transpose(0, 1).cpu(), top.indices.transpose(0, 1).cpu()  # [L, K, width]

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from core.datagen import generate_batch
 from core.heads import HeadsConfig, MedusaHeads
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+from core.simulate import head_proposals
 
 TEACHER_TOP = 32
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
@@ -167,12 +168,9 @@ def head_accuracy(base: BaseModel, heads: MedusaHeads, rows: list[dict], top: in
     hits = torch.zeros(heads.config.num_heads, top)
     counts = torch.zeros(heads.config.num_heads)
     for row in rows:
-        seq = row["prompt_ids"] + row["answer_ids"]
-        first, count = len(row["prompt_ids"]) - 1, len(row["answer_ids"])
-        states = base.model.model(input_ids=torch.tensor([seq], device=base.device)).last_hidden_state[0]
-        region = states[first:first + count].to(next(heads.parameters()).dtype)  # [count, H]
-        logits = heads(region, base.lm_head)  # [K, count, V]
-        ranks = torch.topk(logits, top, dim=-1).indices.cpu()  # [K, count, top]
+        count = len(row["answer_ids"])
+        _, top_ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], top)  # [count, K, top]
+        ranks = top_ids.transpose(0, 1)  # [K, count, top]
         answer = torch.tensor(row["answer_ids"])
         for k in range(heads.config.num_heads):
             valid = count - k - 1  # positions j with a target answer[j+k+1]
