@@ -562,7 +562,8 @@ def _benchmark_tab() -> None:
     for path in files:
         result = json.loads(path.read_text())
         config = result["config"]
-        gr.Markdown(f"#### {path.stem}: {config.get('limit') or 'all'} prompts from `{Path(config['prompts']).name}`, "
+        count = config.get("prompt_count") or config.get("limit") or "all"
+        gr.Markdown(f"#### {path.stem}: {count} prompts from `{Path(config['prompts']).name}`, "
                     f"{config['max_new_tokens']} new tokens, {config['dtype']}, {result['device']['type']}\n\n"
                     + markdown_table(result))
         gr.Plot(bench_figure(result, path.stem), show_label=False)

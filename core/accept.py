@@ -59,19 +59,32 @@ def _inner_nodes(tree: CandidateTree) -> list[int]:
     return sorted(set(tree.parents[1:]) | {0})
 
 
+# Up to this many rows, projecting all of them costs one lm_head weight read, like projecting
+# the inner ones alone (the matmul is bound by reading the weight): the bonus row comes free.
+ALL_ROWS_UP_TO = 16
+
+
+def _judging_rows(tree: CandidateTree) -> list[int]:
+    """Rows to project in one call: the inner nodes, or every node when the tree is small."""
+    if tree.num_nodes + 1 <= ALL_ROWS_UP_TO:
+        return list(range(tree.num_nodes + 1))
+    return _inner_nodes(tree)
+
+
 def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput) -> AcceptResult:
     """Longest path agreeing with the base argmax at every node; bonus = argmax after it."""
-    inner = _inner_nodes(tree)
+    rows = _judging_rows(tree)
     device = verified.hidden.device
     predicted = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long, device=device)  # [n+1]
-    predicted[inner] = verified.logits(inner).argmax(dim=-1)
+    predicted[rows] = verified.logits(rows).argmax(dim=-1)
     parents = torch.tensor(tree.parents, device=device).clamp_min(0)  # [n+1]
     node_ok = node_tokens.to(device) == predicted[parents]  # [n+1]
     node_ok[0] = True  # the root is the base model's own token
     retrieve, lengths = _longest_rows(tree, node_ok)
     best = int(lengths.argmax())
     nodes = retrieve[best, : int(lengths[best])].tolist()
-    return AcceptResult(accepted_nodes=nodes, bonus_token=int(verified.row(nodes[-1]).argmax()))
+    return AcceptResult(accepted_nodes=nodes, bonus_token=int(predicted[nodes[-1]]) if nodes[-1] in rows
+                        else int(verified.row(nodes[-1]).argmax()))
 
 
 def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,
@@ -129,6 +142,16 @@ def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, verified:
         if not moved:
             bonus = int(torch.multinomial(residual.float(), 1, generator=generator))
             return AcceptResult(accepted_nodes=nodes, bonus_token=bonus)
+
+
+def rows_to_project(tree: CandidateTree, config: AcceptConfig) -> list[int]:
+    """The rows whose logits `accept` will read first: project them right after the forward
+    (part of verification), so acceptance itself is only the tree walk."""
+    if config.sampling.greedy or config.rule == "greedy":
+        return _judging_rows(tree)
+    if config.rule == "typical":
+        return _inner_nodes(tree)
+    return [0]  # speculative sampling reads rows one at a time down the accepted path
 
 
 def accept(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, decode
-from core.exactness import first_divergence
+from core.exactness import first_divergence, top2_gap
 from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.sampling import SamplingConfig
@@ -55,10 +55,13 @@ class BenchRow:
     output_ids: list
     identical_to_ar: bool | None = None
     first_divergence: int | None = None
+    divergence_logit_gap: float | None = None  # ar's top-1 minus top-2 logit where the outputs part
 
 
-def read_prompts(path: Path, limit: int | None) -> list[Prompt]:
-    """JSONL with `turns` (first turn used) or `prompt`; ids from question_id / id / line number."""
+def read_prompts(path: Path, limit: int | None, stride: int = 1) -> list[Prompt]:
+    """JSONL with `turns` (first turn used) or `prompt`; ids from question_id / id / line number.
+    `stride` k keeps every k-th prompt (MT-Bench is grouped by category: a strided subset keeps
+    every category), then `limit` the first ones."""
     prompts = []
     for number, line in enumerate(path.read_text().split("\n")):
         if not line.strip():
@@ -66,6 +69,7 @@ def read_prompts(path: Path, limit: int | None) -> list[Prompt]:
         row = json.loads(line)
         text = row["turns"][0] if "turns" in row else row["prompt"]
         prompts.append(Prompt(id=str(row.get("question_id", row.get("id", number))), text=text))
+    prompts = prompts[::stride]
     return prompts[:limit] if limit else prompts
 
 
@@ -135,6 +139,8 @@ def summarise(rows: list[BenchRow], specs: list[str]) -> dict:
             "ms_per_step": 1000 * sum(phases[p] for p in PHASES) / steps if steps else None,
             "phase_ms_per_step": {p: 1000 * phases[p] / steps for p in PHASES} if steps else {},
             "identical_to_ar": (sum(r.identical_to_ar for r in compared) / len(compared)) if compared else None,
+            "divergence_logit_gaps": [round(r.divergence_logit_gap, 4) for r in mine
+                                      if r.divergence_logit_gap is not None],
         }
     if "ar" in summary and summary["ar"]["tokens_per_s"]:
         for spec in specs:
@@ -158,7 +164,10 @@ def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs:
                 if reference is not None and spec != "ar" and config.accept.sampling.greedy:
                     index = first_divergence(reference.output_ids, row.output_ids)
                     same = index is None and len(reference.output_ids) == len(row.output_ids)
-                    row = replace(row, identical_to_ar=same, first_divergence=index)
+                    # a divergence is only honest at a near-tie of the plain run: record how near
+                    gap = None if index is None else top2_gap(base, base.chat_ids(prompt.text),
+                                                              reference.output_ids[:index])
+                    row = replace(row, identical_to_ar=same, first_divergence=index, divergence_logit_gap=gap)
                 rows.append(row)
                 bar.update(1)
             bar.set_postfix({s: f"{r.tokens_per_s:.1f}" for s, r in mine.items()})
@@ -169,6 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path, required=True)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--stride", type=int, default=1, help="keep every k-th prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -192,10 +202,11 @@ def main() -> None:
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,
                           accept=AcceptConfig(rule=rule, sampling=sampling))
     specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompts(args.prompts, args.limit, args.stride)
     rows = benchmark(base, heads, prompts, specs, config)
     result = {
-        "config": {"prompts": str(args.prompts), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+        "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride,
+                   "prompt_count": len(prompts), "max_new_tokens": args.max_new_tokens,
                    "strategies": specs, "dtype": args.dtype, "temperature": args.temperature, "rule": rule,
                    "seed": args.seed},
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from core.accept import AcceptConfig, accept
+from core.accept import AcceptConfig, accept, rows_to_project
 from core.heads import MedusaHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import BaseModel
@@ -162,6 +162,7 @@ class DecodeSession:
             raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; with a {self._max_tree_nodes}-node tree "
                              f"it does not fit the model's context of {base.max_positions}")
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.draft = heads.draft_projection(base.lm_head) if heads is not None and not heads.config.own_lm_head else None
         self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
         self.calibration = DepthCalibration()
         self._plain_until = 0  # dynamic:auto: plain steps until this record index (backing off)
@@ -254,6 +255,7 @@ class DecodeSession:
         context = cache_length(self.cache)
         t0 = _clock(device)
         out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]), None)
+        out.row(0)  # the logits belong to the forward, as in a tree step
         t1 = _clock(device)
         bonus = next_token(out.row(0), self.config.accept.sampling, self.generator)
         t2 = _clock(device)
@@ -269,15 +271,8 @@ class DecodeSession:
         """Top-m probabilities and token ids of each head: ([D, m], [D, m])."""
         width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
-        heads = self.heads.heads[: max(self.config.depth, self.fixed.max_depth if self.fixed else 0)]
-        hidden = self.last_hidden[None]  # [1, H]
-        if self.heads.config.own_lm_head:
-            logits = torch.stack([head(hidden)[0] for head in heads])  # [D, V]
-        else:
-            states = torch.stack([head(hidden)[0] for head in heads])  # [D, H]
-            logits = self.base.lm_head(states)  # [D, V] one matmul for all heads
-        top = torch.topk(torch.softmax(logits.float(), dim=-1), width, dim=-1)
-        return top.values, top.indices  # [D, width] each
+        depth = max(self.config.depth, self.fixed.max_depth if self.fixed else 0)
+        return self.heads.propose(self.last_hidden, width, self.draft, depth=depth)  # [D, width] each
 
     def _build_tree(self, head_probs: torch.Tensor) -> CandidateTree:
         if self.config.strategy == "fixed":
@@ -310,8 +305,8 @@ class DecodeSession:
     def _overhead_ms(self, tree_steps: bool) -> float:
         """Mean non-verify time (heads, tree, accept, commit) of recent tree or plain steps.
 
-        Before any plain step, a plain step's overhead is estimated by the tree steps' accept
-        time (which includes projecting the bonus row, the main cost of a plain step's rest).
+        Verify times include the logits' projection (the profile measures it too). Before any plain
+        step, a plain step's overhead is estimated by the tree steps' accept time.
         """
         recent = [r for r in self.records[-16:] if (r.strategy != "autoregressive") == tree_steps]
         if recent:
@@ -329,6 +324,7 @@ class DecodeSession:
         tokens = tree.node_tokens(self.root_token, head_ids)  # [n+1]
         t0 = _clock(device)
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
+        out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
         t1 = _clock(device)
         result = accept(tree, tokens, out, self.config.accept, self.generator)
         t2 = _clock(device)

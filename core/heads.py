@@ -8,6 +8,11 @@ small heads, and what keeps the shipped weights tiny).
 The module layout matches Medusa's: `heads` is a ModuleList of Sequential(ResBlock..., [Linear]),
 so the official `medusa_lm_head.pt` state dict (keys `0.0.linear.weight`, `0.1.weight`, ...)
 loads into it directly.
+
+Draft vocabulary (after FR-Spec, Zhao et al. 2025): shared-lm_head heads may carry a list of the
+most frequent answer tokens; proposals are then projected onto those rows of the lm_head only
+(16k of 49k rows: a third of the weight read, which dominates a head step on CPU). Verification
+still uses the full vocabulary, so decoding stays exact; a guess outside the list is just a miss.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch import nn
+
+from core.model import linear_rows
 
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "assets" / "heads"
 
@@ -33,6 +40,15 @@ class HeadsConfig:
     vocab_size: int = 49152
     own_lm_head: bool = False  # False: project with the base model's (frozen) lm_head
     base_model: str = "SmolLM2-135M-Instruct"
+    draft_vocab_size: int = 0  # 0: heads rank the whole vocabulary
+
+
+@dataclass(frozen=True)
+class DraftProjection:
+    """The vocabulary the heads rank: rows of the shared lm_head (token_ids None: all of them)."""
+
+    weight: torch.Tensor  # [V', H]
+    token_ids: torch.Tensor | None  # [V'] vocabulary id of each row, or None for the identity
 
 
 class ResBlock(nn.Module):
@@ -62,6 +78,35 @@ class MedusaHeads(nn.Module):
                 layers.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
             blocks.append(nn.Sequential(*layers))
         self.heads = nn.ModuleList(blocks)
+        # most frequent answer tokens first; empty means the whole vocabulary
+        self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+
+    def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
+        """The (sliced) lm_head weight the heads project onto; build once per session, not per step."""
+        if self.config.own_lm_head:
+            raise ValueError("heads with their own projection have no draft vocabulary")
+        if self.config.draft_vocab_size == 0:
+            return DraftProjection(weight=lm_head.weight, token_ids=None)
+        ids = self.draft_vocab.to(lm_head.weight.device)
+        return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids)  # [V', H]
+
+    def propose(self, hidden: torch.Tensor, width: int, projection: DraftProjection | None = None,
+                depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-`width` probabilities and token ids of the first `depth` heads at `hidden` [..., H]:
+        ([D, ..., width], [D, ..., width]). Shared-lm_head heads need `projection`."""
+        blocks = self.heads[: depth or len(self.heads)]
+        if self.config.own_lm_head:
+            logits = torch.stack([head(hidden) for head in blocks])  # [D, ..., V]
+            token_ids = None
+        else:
+            if projection is None:
+                raise ValueError("these heads share the base model's lm_head: pass draft_projection(lm_head)")
+            states = torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
+            logits = linear_rows(states, projection.weight)  # [D, ..., V'] one matmul for all heads
+            token_ids = projection.token_ids
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
+        ids = top.indices if token_ids is None else token_ids[top.indices]  # [D, ..., width]
+        return top.values, ids
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The residual blocks only: [..., H] -> [K, ..., H] (shared-lm_head heads)."""
@@ -82,8 +127,10 @@ class MedusaHeads(nn.Module):
         """Project format: `heads.safetensors` + `config.json`."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        safetensors.torch.save_file({k: v.contiguous() for k, v in self.heads.state_dict().items()},
-                                    folder / "heads.safetensors")
+        tensors = {k: v.contiguous() for k, v in self.heads.state_dict().items()}
+        if self.config.draft_vocab_size:
+            tensors["draft_vocab"] = self.draft_vocab.contiguous()
+        safetensors.torch.save_file(tensors, folder / "heads.safetensors")
         (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
 
@@ -93,7 +140,12 @@ def load_heads(folder: Path = DEFAULT_HEADS_DIR, *, dtype: torch.dtype = torch.f
     folder = Path(folder)
     config = HeadsConfig(**json.loads((folder / "config.json").read_text()))
     heads = MedusaHeads(config)
-    heads.heads.load_state_dict(safetensors.torch.load_file(folder / "heads.safetensors"))
+    state = safetensors.torch.load_file(folder / "heads.safetensors")
+    draft_vocab = state.pop("draft_vocab", torch.zeros(0, dtype=torch.long))
+    if len(draft_vocab) != config.draft_vocab_size:
+        raise ValueError(f"{folder}: config says {config.draft_vocab_size} draft tokens, weights hold {len(draft_vocab)}")
+    heads.heads.load_state_dict(state)
+    heads.draft_vocab.copy_(draft_vocab)
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

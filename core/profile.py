@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from core.model import CACHE_DIR, BaseModel
+from core.model import CACHE_DIR, SKINNY_MAX_ROWS, BaseModel
 from core.tree import CandidateTree, chain_tree
 from core.verify import verify_tree
 
@@ -58,7 +58,8 @@ class CostProfile:
 
 
 def _profile_key(base: BaseModel) -> str:
-    name = f"{base.source}|{torch.get_num_threads()}|{torch.__version__}"
+    # the kernel tag changes whenever the model's matmul path changes (cached costs go stale)
+    name = f"{base.source}|{torch.get_num_threads()}|{torch.__version__}|skinny{SKINNY_MAX_ROWS}"
     return hashlib.sha1(name.encode()).hexdigest()[:16]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.heads import MedusaHeads, default_heads
+from core.heads import DraftProjection, MedusaHeads, default_heads
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.tree import CandidateTree, dynamic_tree, named_tree
 
@@ -45,16 +45,18 @@ def parse_tree_spec(spec: str) -> TreeSpec:
 
 @torch.inference_mode()
 def head_proposals(base: BaseModel, heads: MedusaHeads, prompt_ids: list[int], answer_ids: list[int],
-                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   width: int, draft: DraftProjection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`width` head probabilities and ids at every answer position, teacher-forced (one forward):
-    ([L, K, width], [L, K, width]); row j holds what the heads guess from the hidden state that predicts a_j."""
+    ([L, K, width], [L, K, width]); row j holds what the heads guess from the hidden state that predicts a_j.
+    The heads rank their draft vocabulary, as the decoder's do (`draft`: pass one to reuse it)."""
     seq = torch.tensor([prompt_ids + answer_ids], device=base.device)  # [1, P+L]
     hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
     starts = hidden[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(answer_ids)]  # [L, H]: predicts a_i
     starts = starts.to(next(heads.parameters()).dtype)
-    logits = heads(starts, base.lm_head).float()  # [K, L, V]
-    top = torch.topk(torch.softmax(logits, dim=-1), width, dim=-1)
-    return top.values.transpose(0, 1).cpu(), top.indices.transpose(0, 1).cpu()  # [L, K, width]
+    if draft is None and not heads.config.own_lm_head:
+        draft = heads.draft_projection(base.lm_head)
+    probs, ids = heads.propose(starts, width, draft)  # [K, L, width] each
+    return probs.transpose(0, 1).cpu(), ids.transpose(0, 1).cpu()  # [L, K, width]
 
 
 def accepted_depth(tree: CandidateTree, ranks: list[int | None]) -> int:
@@ -98,8 +100,9 @@ def simulate(base: BaseModel, heads: MedusaHeads, rows: list[dict], specs: list[
     """Mean accepted tokens per step of each tree over greedy answers `rows` (prompt_ids, answer_ids)."""
     width = max([top_m] + [s.fixed.max_rank + 1 for s in specs if s.fixed is not None])
     totals = {s.label: [0, 0] for s in specs}
+    draft = None if heads.config.own_lm_head else heads.draft_projection(base.lm_head)
     for row in tqdm(rows, desc="simulate"):
-        probs, ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], width)
+        probs, ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], width, draft)
         for spec in specs:
             steps, emitted = simulate_answer(probs, ids, row["answer_ids"], spec, top_m)
             totals[spec.label][0] += steps

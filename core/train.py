@@ -50,6 +50,7 @@ class TrainConfig:
     max_positions: int = 0  # 0: all
     seed: int = 0
     eval_tokens: int = 128
+    draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
 
 
 @dataclass
@@ -97,9 +98,30 @@ def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8) -> 
                     teacher_ids=torch.cat(teacher_ids), teacher_probs=torch.cat(teacher_probs))
 
 
-def head_loss(heads: MedusaHeads, lm_head: torch.nn.Module, features: Features, index: torch.Tensor,
+@dataclass(frozen=True)
+class TrainVocab:
+    """The rows of the frozen lm_head the heads learn to rank (their draft vocabulary, or all)."""
+
+    weight: torch.Tensor  # [V', H]
+    index_of: torch.Tensor  # [V] long: each vocabulary id's row in `weight`, -1 if not drafted
+
+
+def train_vocab(lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None) -> TrainVocab:
+    """A TrainVocab over `token_ids` [V'] (None: the whole vocabulary)."""
+    vocab_size = lm_head_weight.shape[0]
+    if token_ids is None:
+        return TrainVocab(weight=lm_head_weight, index_of=torch.arange(vocab_size))
+    index_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    index_of[token_ids] = torch.arange(len(token_ids))
+    return TrainVocab(weight=lm_head_weight[token_ids].contiguous(), index_of=index_of)
+
+
+def head_loss(heads: MedusaHeads, vocab: TrainVocab, features: Features, index: torch.Tensor,
               decay: float) -> tuple[torch.Tensor, list[float]]:
-    """Weighted soft cross-entropy over heads for positions `index`, and per-head top-1 accuracy."""
+    """Weighted soft cross-entropy over heads for positions `index`, and per-head top-1 accuracy.
+
+    The softmax runs over the draft vocabulary the heads rank at decode time (a third of the
+    lm_head rows: a third of the training cost); teacher mass on other tokens is dropped."""
     hidden = features.hidden[index].float()  # [B, H]
     states = heads.head_states(hidden)  # [K, B, H]
     total = hidden.new_zeros(())
@@ -108,23 +130,41 @@ def head_loss(heads: MedusaHeads, lm_head: torch.nn.Module, features: Features, 
         valid = features.remaining[index] > k  # target j+k+1 exists  [B]
         target = index[valid] + k + 1  # teacher at position j+k+1 predicts answer[j+k+1]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=states.device.type == "cpu"):
-            logits = lm_head(states[k][valid])  # [b, V]
+            logits = F.linear(states[k][valid], vocab.weight)  # [b, V']
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        probs = features.teacher_probs[target].float()
-        probs = probs / probs.sum(dim=-1, keepdim=True)  # [b, 32]
-        loss = -(probs * log_probs.gather(1, features.teacher_ids[target].long())).sum(dim=-1).mean()
+        teacher = vocab.index_of[features.teacher_ids[target].long()]  # [b, 32], -1: not drafted
+        probs = features.teacher_probs[target].float() * (teacher >= 0)
+        probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-9)  # [b, 32]
+        loss = -(probs * log_probs.gather(1, teacher.clamp_min(0))).sum(dim=-1).mean()
         total = total + decay ** k * loss
-        accuracy.append(float((logits.argmax(dim=-1) == features.tokens[target]).float().mean()))
+        hits = logits.argmax(dim=-1) == vocab.index_of[features.tokens[target]]
+        accuracy.append(float(hits.float().mean()))
     return total, accuracy
 
 
+def frequency_vocab(answer_tokens: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens, most frequent first; ties and unseen tokens by id
+    (a BPE's low ids are its earliest, most frequent merges). [size] long."""
+    counts = torch.bincount(answer_tokens.long(), minlength=vocab_size).double()  # [V]
+    ids = torch.arange(vocab_size, dtype=torch.double)
+    # count first, lower id second: one stable descending sort on a combined key
+    order = torch.argsort(counts * vocab_size - ids, descending=True)
+    return order[:size].clone()
+
+
 def train_heads(base: BaseModel, features: Features, config: TrainConfig) -> MedusaHeads:
-    """AdamW with warm-up and cosine decay; a progress bar shows loss and per-head top-1."""
+    """AdamW with warm-up and cosine decay; a progress bar shows loss and per-head top-1.
+
+    The heads' draft vocabulary (`config.draft_vocab` most frequent answer tokens) only narrows
+    what they rank at decode time; training uses the whole vocabulary."""
     torch.manual_seed(config.seed)
+    vocab_size = base.model.config.vocab_size
+    draft_size = min(config.draft_vocab, vocab_size)
     heads = MedusaHeads(HeadsConfig(num_heads=config.num_heads, num_layers=config.num_layers,
                                     hidden_size=base.model.config.hidden_size,
-                                    vocab_size=base.model.config.vocab_size))
-    lm_head = base.lm_head
+                                    vocab_size=vocab_size, draft_vocab_size=draft_size))
+    heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
+    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     positions = features.hidden.shape[0] if not config.max_positions else min(config.max_positions, features.hidden.shape[0])
     steps = max(1, int(config.epochs * positions / config.batch_size))
@@ -137,7 +177,7 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig) -> Med
     for step in bar:
         offset = (step * config.batch_size) % positions
         index = order[offset:offset + config.batch_size]
-        loss, accuracy = head_loss(heads, lm_head, features, index, config.decay)
+        loss, accuracy = head_loss(heads, vocab, features, index, config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -164,12 +204,14 @@ def mt_bench_answers(base_fp32: BaseModel, max_new_tokens: int, cache: Path) -> 
 
 @torch.inference_mode()
 def head_accuracy(base: BaseModel, heads: MedusaHeads, rows: list[dict], top: int = 10) -> list[list[float]]:
-    """acc[k][r]: share of positions where head k+1's target is within its top-(r+1). Teacher-forced."""
+    """acc[k][r]: share of positions where head k+1's target is within its top-(r+1), ranked over
+    the heads' draft vocabulary as the decoder ranks them. Teacher-forced."""
     hits = torch.zeros(heads.config.num_heads, top)
     counts = torch.zeros(heads.config.num_heads)
+    draft = heads.draft_projection(base.lm_head)
     for row in rows:
         count = len(row["answer_ids"])
-        _, top_ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], top)  # [count, K, top]
+        _, top_ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], top, draft)  # [count, K, top]
         ranks = top_ids.transpose(0, 1)  # [K, count, top]
         answer = torch.tensor(row["answer_ids"])
         for k in range(heads.config.num_heads):
@@ -180,6 +222,14 @@ def head_accuracy(base: BaseModel, heads: MedusaHeads, rows: list[dict], top: in
             hits[k] += match.cumsum(dim=1).clamp(max=1).sum(dim=0).float()
             counts[k] += valid
     return (hits / counts.clamp_min(1)[:, None]).tolist()
+
+
+def draft_coverage(heads: MedusaHeads, rows: list[dict]) -> float:
+    """Share of the answer tokens in `rows` that the heads' draft vocabulary contains."""
+    tokens = torch.tensor([t for row in rows for t in row["answer_ids"]])
+    if not heads.config.draft_vocab_size:
+        return 1.0
+    return float(torch.isin(tokens, heads.draft_vocab).float().mean())
 
 
 def calibrated_choices(accuracy: list[list[float]], budget: int) -> list[list[int]]:
@@ -241,6 +291,8 @@ def main() -> None:
         "eval": "base fp32 greedy answers to the 80 MT-Bench first turns, "
                 f"{config.eval_tokens} new tokens, teacher-forced",
         "eval_positions": sum(len(r["answer_ids"]) for r in eval_rows),
+        "draft_vocab": heads.config.draft_vocab_size,
+        "draft_vocab_coverage": draft_coverage(heads, eval_rows),
         "topk_accuracy": accuracy,
         "top1": [a[0] for a in accuracy],
         "top5": [a[4] for a in accuracy],

@@ -6,7 +6,7 @@ import torch
 
 from core.decoder import DecodeConfig, decode, start_session
 from core.exactness import explain_divergence
-from core.kvcache import cache_length
+from core.kvcache import cache_length, truncate
 
 FP32_NEAR_TIE = 1e-4  # a tree forward and single-token forwards differ by ~5e-5 in fp32
 BF16_NEAR_TIE = 0.25  # bf16 logits of magnitude ~10-30 have a rounding step of 0.0625-0.125
@@ -119,3 +119,35 @@ def test_bad_sessions(base_fp32, shipped_heads):
         start_session(base_fp32, shipped_heads, "hi", DecodeConfig(depth=9))
     with pytest.raises(ValueError, match="context"):
         start_session(base_fp32, shipped_heads, list(range(9000)), DecodeConfig())
+
+
+def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt_bench_prompts):
+    """A small tree's rows are projected in one lm_head call, so the bonus row costs no second read."""
+    from core.accept import ALL_ROWS_UP_TO, accept_greedy
+    from core.tree import dynamic_tree
+    from core.verify import VerifyOutput, verify_tree
+
+    calls = []
+
+    class CountingHead(torch.nn.Module):
+        def forward(self, hidden):
+            calls.append(hidden.shape[0])
+            return base_fp32.lm_head(hidden)
+
+    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], DecodeConfig(strategy="dynamic", budget=7))
+    probs, ids = session._propose()
+    for budget in (7, ALL_ROWS_UP_TO + 8):
+        tree = dynamic_tree(probs, budget)
+        tokens = tree.node_tokens(session.root_token, ids)
+        context = cache_length(session.cache)
+        buffers = tree.buffers()
+        out = verify_tree(base_fp32, session.cache, tokens, buffers.attn_mask, buffers.position_ids)
+        calls.clear()
+        result = accept_greedy(tree, tokens, VerifyOutput(out.hidden, CountingHead()))
+        reference = accept_greedy(tree, tokens, out)
+        assert result == reference
+        if budget + 1 <= ALL_ROWS_UP_TO:
+            assert calls == [budget + 1]
+        else:
+            assert calls[0] < budget + 1 and len(calls) <= 2
+        truncate(session.cache, context)

@@ -76,3 +76,36 @@ def test_zero_initialised_heads_start_as_identity():
     heads = MedusaHeads(HeadsConfig(num_heads=2, hidden_size=8, vocab_size=10))
     hidden = torch.randn(3, 8)
     assert torch.equal(heads.head_states(hidden), torch.stack([hidden, hidden]))
+
+
+def test_draft_vocabulary_round_trips_and_restricts_proposals(tmp_path):
+    """Heads with a draft vocabulary rank only those tokens, with the full lm_head's logits for them."""
+    config = HeadsConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=100, draft_vocab_size=10)
+    heads = random_heads(config)
+    heads.draft_vocab.copy_(torch.tensor([7, 3, 99, 0, 42, 11, 5, 64, 8, 21]))
+    heads.save(tmp_path / "draft")
+    loaded = load_heads(tmp_path / "draft")
+    assert torch.equal(loaded.draft_vocab, heads.draft_vocab)
+    lm_head = torch.nn.Linear(32, 100, bias=False)
+    hidden = torch.randn(6, 32)
+    probs, ids = loaded.propose(hidden, 4, loaded.draft_projection(lm_head))  # [3, 6, 4]
+    assert probs.shape == ids.shape == (3, 6, 4)
+    assert torch.isin(ids, heads.draft_vocab).all()
+    # the same ranking as the full projection restricted to the draft rows
+    full = heads(hidden, lm_head)[..., heads.draft_vocab]  # [3, 6, 10]
+    expected = heads.draft_vocab[torch.topk(full, 4, dim=-1).indices]
+    assert torch.equal(ids, expected)
+    assert torch.allclose(probs, torch.topk(torch.softmax(full, -1), 4, dim=-1).values, atol=1e-6)
+    # without a draft vocabulary the heads rank everything
+    plain = random_heads(HeadsConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=100))
+    _, all_ids = plain.propose(hidden, 4, plain.draft_projection(lm_head))
+    assert torch.equal(all_ids, torch.topk(plain(hidden, lm_head), 4, dim=-1).indices)
+
+
+def test_draft_vocabulary_size_mismatch_is_refused(tmp_path):
+    heads = random_heads(HeadsConfig(num_heads=2, hidden_size=8, vocab_size=20, draft_vocab_size=4))
+    heads.save(tmp_path / "h")
+    config = (tmp_path / "h" / "config.json")
+    config.write_text(config.read_text().replace('"draft_vocab_size": 4', '"draft_vocab_size": 5'))
+    with pytest.raises(ValueError, match="draft tokens"):
+        load_heads(tmp_path / "h")

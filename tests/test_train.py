@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from core.heads import load_heads
-from core.train import Features, TrainConfig, calibrated_choices, extract_features, head_loss, train_heads
+from core.train import (Features, TrainConfig, calibrated_choices, extract_features, frequency_vocab, head_loss,
+                        train_heads, train_vocab)
 from core.tree import fixed_tree, load_named_trees
 from tests.test_tree import check_invariants
 
@@ -29,17 +30,27 @@ def test_tiny_training_lowers_loss_and_saves(base_bf16, tiny_features, tmp_path)
     torch.manual_seed(0)
     from core.heads import HeadsConfig, MedusaHeads
     fresh = MedusaHeads(HeadsConfig(num_heads=3))
+    vocab = train_vocab(base_bf16.lm_head.weight, None)
     with torch.no_grad():
-        before, _ = head_loss(fresh, base_bf16.lm_head, tiny_features, index, config.decay)
+        before, _ = head_loss(fresh, vocab, tiny_features, index, config.decay)
     heads = train_heads(base_bf16, tiny_features, config)
     with torch.no_grad():
-        after, accuracy = head_loss(heads, base_bf16.lm_head, tiny_features, index, config.decay)
+        after, accuracy = head_loss(heads, vocab, tiny_features, index, config.decay)
     assert after < 0.7 * before
     heads.save(tmp_path / "heads")
     loaded = load_heads(tmp_path / "heads")
     hidden = torch.randn(5, 576)
     assert torch.allclose(loaded.head_states(hidden), heads.head_states(hidden))
     assert json.loads((tmp_path / "heads" / "config.json").read_text())["num_heads"] == 3
+    # the draft vocabulary: every answer token of the training data, most frequent first
+    assert loaded.config.draft_vocab_size == config.draft_vocab
+    assert len(set(loaded.draft_vocab.tolist())) == config.draft_vocab
+    assert torch.isin(tiny_features.tokens, loaded.draft_vocab[: len(set(tiny_features.tokens.tolist()))]).all()
+
+
+def test_frequency_vocab_orders_by_count_then_id():
+    tokens = torch.tensor([5, 5, 5, 9, 9, 2, 7, 7, 7, 7])
+    assert frequency_vocab(tokens, 6, 12).tolist() == [7, 5, 9, 2, 0, 1]
 
 
 def test_calibrated_tree_is_valid_with_requested_size():
@@ -75,3 +86,30 @@ def test_shipped_heads_load_by_default_and_predict(base_fp32, mt_bench_prompts):
         rows.append({"prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
     accuracy = head_accuracy(base_fp32, heads, rows)
     assert accuracy[0][0] > 0.15, accuracy
+
+
+def test_draft_training_vocab_matches_full_softmax_restricted():
+    """Over the draft rows, the loss equals a full-vocabulary loss whose teacher drops undrafted tokens."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8)
+    draft = torch.tensor([3, 17, 4, 40, 0, 9])
+    vocab = train_vocab(weight, draft)
+    assert torch.equal(vocab.weight, weight[draft]) and vocab.index_of[40] == 3 and vocab.index_of[1] == -1
+    features = Features(hidden=torch.randn(4, 8).bfloat16(), remaining=torch.tensor([3, 2, 1, 0]),
+                        tokens=torch.tensor([3, 17, 4, 9]),
+                        teacher_ids=torch.tensor([[3, 1], [17, 4], [4, 2], [9, 0]], dtype=torch.int32),
+                        teacher_probs=torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.6, 0.4], [0.7, 0.3]]).half())
+    from core.heads import HeadsConfig, MedusaHeads
+    heads = MedusaHeads(HeadsConfig(num_heads=1, hidden_size=8, vocab_size=50))
+    loss, accuracy = head_loss(heads, vocab, features, torch.tensor([0, 1, 2]), 0.8)
+    # by hand: head 1 at j predicts token j+1, from the teacher at j+1
+    hidden = features.hidden[:3].float()
+    logits = (hidden.bfloat16() @ weight[draft].bfloat16().T).float()  # [3, 6]
+    log_probs = torch.log_softmax(logits, -1)
+    targets = [[(1, 0.9), (2, 0.1)], [(2, 0.6)], [(5, 0.7), (4, 0.3)]]  # draft rows, token 2 is not drafted
+    by_hand = []
+    for row, pairs in enumerate(targets):
+        mass = sum(p for _, p in pairs)
+        by_hand.append(-sum(p / mass * log_probs[row, r] for r, p in pairs))
+    assert torch.allclose(loss, torch.stack(by_hand).mean(), atol=2e-3)
+    assert 0.0 <= accuracy[0] <= 1.0

@@ -27,7 +27,8 @@ def bench_figure(result: dict, title: str = "") -> go.Figure:
     figure.add_bar(x=names, y=per_step, text=[f"{v:.2f}" for v in per_step], textposition="outside",
                    marker_color="#37b24d", name="tokens/step", row=1, col=2)
     dtype = result.get("config", {}).get("dtype", "")
-    figure.update_layout(title=title or f"MT-Bench, {dtype}, {result.get('config', {}).get('limit')} prompts",
+    count = result.get("config", {}).get("prompt_count") or result.get("config", {}).get("limit")
+    figure.update_layout(title=title or f"MT-Bench, {dtype}, {count} prompts",
                          showlegend=False, height=420, margin=dict(t=70, b=110))
     return figure
 
@@ -43,15 +44,18 @@ def phase_figure(result: dict) -> go.Figure:
 
 
 def markdown_table(result: dict) -> str:
-    """One row per strategy: tokens/step, tokens/s, speed-up vs AR, ms per step, identical share."""
-    lines = ["| strategy | tokens/step | tokens/s | vs AR | ms/step | identical to AR |",
-             "|---|---|---|---|---|---|"]
+    """One row per strategy: tokens/step, tokens/s, speed-up vs AR, ms per step, identical share, and
+    the largest top-2 logit gap of AR at a divergence (small: a rounding near-tie)."""
+    lines = ["| strategy | tokens/step | tokens/s | vs AR | ms/step | identical to AR | max gap at divergence |",
+             "|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         per_step = f"{s['mean_accepted']:.2f}" if s.get("mean_accepted") else "-"
         ms = f"{s['ms_per_step']:.1f}" if s.get("ms_per_step") else "-"
         same = f"{100 * s['identical_to_ar']:.0f} %" if s.get("identical_to_ar") is not None else "-"
         ratio = f"{s['speedup_vs_ar']:.2f}x" if s.get("speedup_vs_ar") else "-"
-        lines.append(f"| {name} | {per_step} | {s['tokens_per_s']:.1f} | {ratio} | {ms} | {same} |")
+        gaps = s.get("divergence_logit_gaps") or []
+        gap = f"{max(gaps):.3f} ({len(gaps)})" if gaps else "-"
+        lines.append(f"| {name} | {per_step} | {s['tokens_per_s']:.1f} | {ratio} | {ms} | {same} | {gap} |")
     return "\n".join(lines)
 
 
