@@ -166,7 +166,6 @@ class DecodeSession:
         self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
         self.calibration = DepthCalibration()
         self._plain_until = 0  # dynamic:auto: plain steps until this record index (backing off)
-        self._backoff = 0
         self.cache = DynamicCache()
         self.records: list[StepRecord] = []
         self.output_ids: list[int] = []
@@ -285,20 +284,19 @@ class DecodeSession:
                                  self.calibration)
         plain = self._measured_rate(tree_steps=False) or plain_rate(self.profile, self._overhead_ms(tree_steps=False))
         measured = self._measured_rate(tree_steps=True)
-        if measured is not None and measured < plain:  # what tree steps really delivered lost to plain steps
-            self._backoff = 16
-            self._plain_until = len(self.records) + 1 + self._backoff
-        elif rate < plain:  # clearly hopeless: back off fully at once; marginal: double the back-off
-            self._backoff = 16 if rate < 0.8 * plain else min(max(1, 2 * self._backoff), 16)
-            self._plain_until = len(self.records) + 1 + self._backoff
-        else:
-            self._backoff = 0
+        # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain
+        # steps, or an expected rate far below plain, backs off for 16 steps; a tree whose best
+        # prefix is the root alone just becomes one plain step
+        if (measured is not None and measured < 0.9 * plain) or rate < 0.8 * plain:
+            self._plain_until = len(self.records) + 1 + 16
+        elif size == 0:
+            self._plain_until = len(self.records) + 1
         return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic")
 
     def _measured_rate(self, tree_steps: bool) -> float | None:
-        """Tokens per ms that the last 8 tree (or plain) steps actually delivered; None before 3 of them."""
-        recent = [r for r in self.records[-64:] if (r.strategy != "autoregressive") == tree_steps][-8:]
-        if len(recent) < 3:
+        """Tokens per ms that the last 24 tree (or plain) steps actually delivered; None before 12 of them."""
+        recent = [r for r in self.records[-96:] if (r.strategy != "autoregressive") == tree_steps][-24:]
+        if len(recent) < 12:
             return None
         return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
 
