@@ -1,7 +1,8 @@
 """Verify-cost profile and the adaptive node budget (`dynamic:auto`).
 
 On a GPU a tree of a few hundred nodes costs about what one token costs; on this 2-core CPU a
-64-node verify costs 3.7x one token in fp32 and 2.3x in bf16. The best tree size therefore
+64-node verify costs 3.9x one token in fp32 and 2.3x in bf16, while up to 4 tokens cost what
+one does. The best tree size therefore
 depends on the hardware. The profile measures the verify latency of n tokens on the current
 device (cached per device, model, precision and thread count); each step then keeps the
 prefix of the best-first node order that maximises expected tokens per second:
@@ -9,12 +10,12 @@ prefix of the best-first node order that maximises expected tokens per second:
     n* = argmax_n  (1 + sum_{i<n} c[depth_i] * score_i) / (cost(n + 1) + overhead)
 
 where score_i is node i's joint head probability (its chance to be accepted if the heads are
-calibrated) and c[d] corrects it per depth from the acceptance observed so far. When even the
-best tree (heads included in its overhead) is expected to be slower than plain decoding, the
-decoder skips the heads for the next steps (16 plain steps when the best tree is expected to be
-more than 20 % slower, or when the tokens per ms that recent tree steps actually delivered fell
-below plain steps'; else 1, 2, 4 ... 16; then it tries again), so speculation that cannot pay
-costs almost nothing.
+calibrated) and c[d] corrects it per depth from the acceptance observed so far. The decoder
+skips the heads for the next 16 steps when the best tree is expected to be more than 20 % slower
+than plain decoding, or when the tokens per ms that the last 24 tree steps actually delivered
+fell more than 10 % below plain steps' (acceptance comes in streaks: shorter records back off
+on noise); a best prefix of the root alone becomes one plain step. Speculation that cannot pay
+(random text, scripts the heads never saw) then costs almost nothing.
 """
 from __future__ import annotations
 
