@@ -58,10 +58,10 @@ class BenchRow:
     divergence_logit_gap: float | None = None  # ar's top-1 minus top-2 logit where the outputs part
 
 
-def read_prompts(path: Path, limit: int | None, stride: int = 1) -> list[Prompt]:
+def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0) -> list[Prompt]:
     """JSONL with `turns` (first turn used) or `prompt`; ids from question_id / id / line number.
-    `stride` k keeps every k-th prompt (MT-Bench is grouped by category: a strided subset keeps
-    every category), then `limit` the first ones."""
+    `stride` k keeps every k-th prompt from `offset` on (MT-Bench is grouped by category: a strided
+    subset keeps every category), then `limit` the first ones."""
     prompts = []
     for number, line in enumerate(path.read_text().split("\n")):
         if not line.strip():
@@ -69,7 +69,7 @@ def read_prompts(path: Path, limit: int | None, stride: int = 1) -> list[Prompt]
         row = json.loads(line)
         text = row["turns"][0] if "turns" in row else row["prompt"]
         prompts.append(Prompt(id=str(row.get("question_id", row.get("id", number))), text=text))
-    prompts = prompts[::stride]
+    prompts = prompts[offset::stride]
     return prompts[:limit] if limit else prompts
 
 
@@ -174,11 +174,33 @@ def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs:
     return rows
 
 
+def merge_results(results: list[dict]) -> dict:
+    """One result from runs of the same strategies on disjoint prompt sets (e.g. --offset 0 and 1 of
+    --stride 2); the summary is recomputed from all rows, each ratio still within its own prompt's run."""
+    keys = ("strategies", "dtype", "max_new_tokens", "temperature", "rule")
+    first = results[0]["config"]
+    for other in results[1:]:
+        if any(other["config"][k] != first[k] for k in keys):
+            raise ValueError(f"results differ in {[k for k in keys if other['config'][k] != first[k]]}: not mergeable")
+    rows = [BenchRow(**row) for result in results for row in result["rows"]]
+    ids = [row.prompt_id for row in rows if row.strategy == first["strategies"][0]]
+    if len(ids) != len(set(ids)):
+        raise ValueError("the results share prompts: not mergeable")
+    merged = dict(results[0])
+    merged["config"] = dict(first, prompt_count=len(ids), merged_from=[r["config"] for r in results])
+    merged["summary"] = summarise(rows, first["strategies"])
+    merged["rows"] = [asdict(row) for row in rows]
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--prompts", type=Path)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--stride", type=int, default=1, help="keep every k-th prompt")
+    parser.add_argument("--offset", type=int, default=0, help="first prompt kept by --stride")
+    parser.add_argument("--merge", type=Path, nargs="*", default=None,
+                        help="instead of running: merge these result files (same config, other prompts) into --out")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -189,6 +211,14 @@ def main() -> None:
     parser.add_argument("--heads", type=Path, default=None, help="heads folder (default: assets/heads)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.merge:
+        merged = merge_results([json.loads(path.read_text()) for path in args.merge])
+        if args.out:
+            args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        print(json.dumps(merged["summary"], indent=1))
+        return
+    if args.prompts is None:
+        parser.error("--prompts is required (unless --merge)")
     torch.manual_seed(args.seed)
     model_config = ModelConfig(dtype=args.dtype) if args.model is None else ModelConfig(name=args.model, dtype=args.dtype)
     base = load_base_model(model_config)
@@ -202,10 +232,10 @@ def main() -> None:
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,
                           accept=AcceptConfig(rule=rule, sampling=sampling))
     specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    prompts = read_prompts(args.prompts, args.limit, args.stride)
+    prompts = read_prompts(args.prompts, args.limit, args.stride, args.offset)
     rows = benchmark(base, heads, prompts, specs, config)
     result = {
-        "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride,
+        "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride, "offset": args.offset,
                    "prompt_count": len(prompts), "max_new_tokens": args.max_new_tokens,
                    "strategies": specs, "dtype": args.dtype, "temperature": args.temperature, "rule": rule,
                    "seed": args.seed},

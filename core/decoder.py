@@ -166,6 +166,7 @@ class DecodeSession:
         self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
         self.calibration = DepthCalibration()
         self._plain_until = 0  # dynamic:auto: plain steps until this record index (backing off)
+        self._backoff = 0  # length of the current back-off
         self.cache = DynamicCache()
         self.records: list[StepRecord] = []
         self.output_ids: list[int] = []
@@ -285,12 +286,15 @@ class DecodeSession:
         plain = self._measured_rate(tree_steps=False) or plain_rate(self.profile, self._overhead_ms(tree_steps=False))
         measured = self._measured_rate(tree_steps=True)
         # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain
-        # steps, or an expected rate far below plain, backs off for 16 steps; a tree whose best
-        # prefix is the root alone just becomes one plain step
+        # steps, or an expected rate far below plain, backs off for 16 steps; when no node is worth
+        # verifying, the next 1, 2, 4 ... 16 steps are plain (reset once a tree pays again)
         if (measured is not None and measured < 0.9 * plain) or rate < 0.8 * plain:
-            self._plain_until = len(self.records) + 1 + 16
+            self._backoff = 16
         elif size == 0:
-            self._plain_until = len(self.records) + 1
+            self._backoff = min(max(1, 2 * self._backoff), 16)
+        else:
+            self._backoff = 0
+        self._plain_until = len(self.records) + 1 + self._backoff  # steps after this one
         return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic")
 
     def _measured_rate(self, tree_steps: bool) -> float | None:

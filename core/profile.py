@@ -14,8 +14,9 @@ calibrated) and c[d] corrects it per depth from the acceptance observed so far. 
 skips the heads for the next 16 steps when the best tree is expected to be more than 20 % slower
 than plain decoding, or when the tokens per ms that the last 24 tree steps actually delivered
 fell more than 10 % below plain steps' (acceptance comes in streaks: shorter records back off
-on noise); a best prefix of the root alone becomes one plain step. Speculation that cannot pay
-(random text, scripts the heads never saw) then costs almost nothing.
+on noise); when the best prefix is the root alone, the next 1, 2, 4 ... 16 steps are plain
+(reset once a tree pays again). Speculation that cannot pay (random text, scripts the heads
+never saw) then costs almost nothing.
 """
 from __future__ import annotations
 

@@ -1,0 +1,43 @@
+"""Benchmark bookkeeping: strided prompt subsets and merging runs over disjoint prompts."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from core.bench import BenchRow, merge_results, read_prompts, summarise
+
+
+def fake_result(prompt_ids: list[str], ar_seconds: float, tree_seconds: float) -> dict:
+    rows = []
+    for pid in prompt_ids:
+        for spec, seconds, steps in (("ar", ar_seconds, 10), ("dynamic:auto", tree_seconds, 5)):
+            rows.append(BenchRow(prompt_id=pid, strategy=spec, new_tokens=10, steps=steps,
+                                 mean_accepted=10 / steps, seconds=seconds, tokens_per_s=10 / seconds,
+                                 phase_seconds={"verify": seconds}, output_ids=list(range(10))))
+    config = {"strategies": ["ar", "dynamic:auto"], "dtype": "fp32", "max_new_tokens": 10,
+              "temperature": 0.0, "rule": "greedy"}
+    return {"config": config, "summary": summarise(rows, config["strategies"]), "rows": [asdict(r) for r in rows]}
+
+
+def test_stride_and_offset_pick_disjoint_prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": 81 + i, "turns": [f"q{i}"]}) + "\n" for i in range(8)))
+    even, odd = read_prompts(path, None, 2, 0), read_prompts(path, None, 2, 1)
+    assert [p.id for p in even] == ["81", "83", "85", "87"] and [p.id for p in odd] == ["82", "84", "86", "88"]
+    assert [p.text for p in read_prompts(path, 2, 3, 1)] == ["q1", "q4"]
+
+
+def test_merge_recomputes_the_summary_from_all_rows():
+    merged = merge_results([fake_result(["1", "2"], 1.0, 0.5), fake_result(["3"], 1.0, 1.0)])
+    auto = merged["summary"]["dynamic:auto"]
+    assert merged["config"]["prompt_count"] == 3 and len(merged["rows"]) == 6
+    assert auto["tokens_per_s"] == pytest.approx(30 / 2.0)
+    assert auto["speedup_vs_ar"] == pytest.approx((30 / 2.0) / (30 / 3.0))
+    with pytest.raises(ValueError, match="share prompts"):
+        merge_results([fake_result(["1"], 1.0, 1.0), fake_result(["1"], 1.0, 1.0)])
+    other = fake_result(["9"], 1.0, 1.0)
+    other["config"]["dtype"] = "bf16"
+    with pytest.raises(ValueError, match="dtype"):
+        merge_results([fake_result(["1"], 1.0, 1.0), other])
