@@ -483,9 +483,9 @@ HOW_IT_WORKS = """
 **Heads.** The base model reads the text and, at its last position, predicts the next token: the
 *root* of this step's tree (left column). Medusa adds K small *heads* on the same hidden state; head k
 guesses the token k+1 positions ahead. The **Heads** table under the trees lists each head's top guesses
-with their probabilities. The shipped heads were trained on about 100k tokens of the model's own answers:
-on MT-Bench head 1's top guess is right about 20 % of the time and within its top 5 about 45 %, so
-expect about 1.6-1.8 tokens per step (Medusa's heads on Vicuna-7B: 56 % and 78 %).
+with their probabilities. The shipped heads were trained on about 406k tokens of the model's own answers:
+on MT-Bench head 1's top guess is right about 26 % of the time and within its top 5 about 50 %, so
+expect about 1.7-1.9 tokens per step from a 63-node tree (Medusa's heads on Vicuna-7B: 56 % and 78 %).
 
 **Trees.** Combining the heads' guesses gives candidate continuations: a path root → head 1 rank r1 →
 head 2 rank r2 … is one guess of the next tokens. Medusa's *fixed* tree uses the same rank paths at every

@@ -153,12 +153,6 @@ def best_prefix(scores: list[float], depths: list[int], profile: CostProfile, ov
     return best_n, best_rate
 
 
-def choose_budget(scores: list[float], depths: list[int], profile: CostProfile, overhead_ms: float,
-                  calibration: DepthCalibration | None = None) -> int:
-    """The prefix length n maximising expected tokens per ms (see `best_prefix`)."""
-    return best_prefix(scores, depths, profile, overhead_ms, calibration)[0]
-
-
 def plain_rate(profile: CostProfile, overhead_ms: float) -> float:
     """Tokens per ms of plain decoding: one token per single-token forward, no heads."""
     return 1.0 / (profile.cost(1) + overhead_ms)

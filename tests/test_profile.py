@@ -6,7 +6,7 @@ import json
 import pytest
 
 from core.decoder import DecodeConfig, decode
-from core.profile import CostProfile, DepthCalibration, choose_budget, verify_profile
+from core.profile import CostProfile, DepthCalibration, best_prefix, verify_profile
 
 FLAT = CostProfile(sizes=[1, 128], ms=[20.0, 20.0])
 STEEP = CostProfile(sizes=[1, 2, 4, 8, 16, 32, 64], ms=[40, 64, 60, 59, 73, 91, 147])
@@ -19,15 +19,15 @@ def brute_force(scores, profile, overhead):
 
 @pytest.mark.parametrize("profile", [FLAT, STEEP])
 @pytest.mark.parametrize("scores", [[0.9, 0.5, 0.2, 0.1, 0.05, 0.01], [0.01] * 40, [0.6] * 10 + [0.001] * 50])
-def test_choose_budget_is_the_argmax(profile, scores):
+def test_best_prefix_is_the_argmax(profile, scores):
     depths = [1] * len(scores)
-    assert choose_budget(scores, depths, profile, 2.0) == brute_force(scores, profile, 2.0)
+    assert best_prefix(scores, depths, profile, 2.0)[0] == brute_force(scores, profile, 2.0)
 
 
 def test_flat_cost_takes_everything_and_steep_cost_falls_back():
     scores = [0.3] * 63
-    assert choose_budget(scores, [1] * 63, FLAT, 1.0) == 63
-    assert choose_budget([0.01] * 63, [1] * 63, STEEP, 1.0) == 0  # speculation cannot pay: root only
+    assert best_prefix(scores, [1] * 63, FLAT, 1.0)[0] == 63
+    assert best_prefix([0.01] * 63, [1] * 63, STEEP, 1.0)[0] == 0  # speculation cannot pay: root only
 
 
 def test_cost_interpolates_and_extrapolates():
