@@ -17,6 +17,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -148,9 +149,10 @@ def summarise(rows: list[BenchRow], specs: list[str]) -> dict:
     return summary
 
 
-def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs: list[str], config: DecodeConfig
-              ) -> list[BenchRow]:
-    """Every strategy on every prompt, interleaved; one short warm-up per strategy first."""
+def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs: list[str], config: DecodeConfig,
+              on_prompt: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
+    """Every strategy on every prompt, interleaved; one short warm-up per strategy first.
+    `on_prompt` sees the rows so far after each prompt (the CLI saves them, so a cut-off run keeps them)."""
     strategies = {spec: parse_strategy(spec, config) for spec in specs}
     for spec, strategy in strategies.items():
         warm = strategy if isinstance(strategy, str) else replace(strategy, max_new_tokens=4)
@@ -171,6 +173,8 @@ def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs:
                 rows.append(row)
                 bar.update(1)
             bar.set_postfix({s: f"{r.tokens_per_s:.1f}" for s, r in mine.items()})
+            if on_prompt is not None:
+                on_prompt(rows)
     return rows
 
 
@@ -188,6 +192,7 @@ def merge_results(results: list[dict]) -> dict:
         raise ValueError("the results share prompts: not mergeable")
     merged = dict(results[0])
     merged["config"] = dict(first, prompt_count=len(ids), merged_from=[r["config"] for r in results])
+    merged["complete"] = all(result.get("complete", True) for result in results)
     merged["summary"] = summarise(rows, first["strategies"])
     merged["rows"] = [asdict(row) for row in rows]
     return merged
@@ -208,6 +213,7 @@ def main() -> None:
     parser.add_argument("--rule", default="typical", help="acceptance rule when temperature > 0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="base model (default: the shipped SmolLM2)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--heads", type=Path, default=None, help="heads folder (default: assets/heads)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -220,7 +226,9 @@ def main() -> None:
     if args.prompts is None:
         parser.error("--prompts is required (unless --merge)")
     torch.manual_seed(args.seed)
-    model_config = ModelConfig(dtype=args.dtype) if args.model is None else ModelConfig(name=args.model, dtype=args.dtype)
+    model_config = ModelConfig(dtype=args.dtype, device=args.device)
+    if args.model is not None:
+        model_config = replace(model_config, name=args.model)
     base = load_base_model(model_config)
     if args.heads is not None:
         heads, heads_source = load_heads(args.heads, dtype=base.dtype, device=base.device), str(args.heads)
@@ -233,24 +241,28 @@ def main() -> None:
                           accept=AcceptConfig(rule=rule, sampling=sampling))
     specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
     prompts = read_prompts(args.prompts, args.limit, args.stride, args.offset)
-    rows = benchmark(base, heads, prompts, specs, config)
-    result = {
+    head = {
         "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride, "offset": args.offset,
-                   "prompt_count": len(prompts), "max_new_tokens": args.max_new_tokens,
+                   "max_new_tokens": args.max_new_tokens,
                    "strategies": specs, "dtype": args.dtype, "temperature": args.temperature, "rule": rule,
                    "seed": args.seed},
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
         "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": platform.processor(),
-                   "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+                   "cuda": torch.cuda.get_device_name() if base.device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
-        "summary": summarise(rows, specs),
-        "rows": [asdict(r) for r in rows],
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+
+    def save(rows: list[BenchRow], complete: bool = False) -> dict:
+        done = len({r.prompt_id for r in rows})
+        result = dict(head, config=dict(head["config"], prompt_count=done, prompts_planned=len(prompts)),
+                      complete=complete, summary=summarise(rows, specs), rows=[asdict(r) for r in rows])
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    result = save(benchmark(base, heads, prompts, specs, config, on_prompt=save), complete=True)
     print(json.dumps(result["summary"], indent=1))
 
 

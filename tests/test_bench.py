@@ -41,3 +41,33 @@ def test_merge_recomputes_the_summary_from_all_rows():
     other["config"]["dtype"] = "bf16"
     with pytest.raises(ValueError, match="dtype"):
         merge_results([fake_result(["1"], 1.0, 1.0), other])
+
+
+def test_cli_saves_after_every_prompt_and_marks_the_run_complete(tmp_path, monkeypatch, base_fp32, shipped_heads):
+    """A run cut off mid-way keeps its finished prompts: the output file is rewritten after each one."""
+    import sys
+
+    import core.bench as bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n"
+                               for i, t in enumerate(["Name a colour.", "Count to three."])))
+    out = tmp_path / "result.json"
+    seen: list[dict] = []
+    real_benchmark = bench.benchmark
+
+    def spy(*args, on_prompt=None, **kwargs):
+        def record(rows):
+            on_prompt(rows)
+            seen.append(json.loads(out.read_text()))
+        return real_benchmark(*args, on_prompt=record, **kwargs)
+
+    monkeypatch.setattr(bench, "benchmark", spy)
+    monkeypatch.setattr(sys, "argv", ["bench", "--prompts", str(prompts), "--max-new-tokens", "6", "--device", "cpu",
+                                      "--strategies", "ar,dynamic:auto", "--out", str(out)])
+    bench.main()
+    assert [s["config"]["prompt_count"] for s in seen] == [1, 2]
+    assert [s["complete"] for s in seen] == [False, False]
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and final["config"]["prompts_planned"] == 2
+    assert final["summary"]["dynamic:auto"]["identical_to_ar"] == 1.0
