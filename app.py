@@ -7,7 +7,7 @@ else GRADIO_SERVER_PORT, else 7860).
 API (gradio_client), every event returns the VIEW outputs listed in `VIEW_OUTPUT_NAMES`:
   start(prompt, *settings), step(prompt, *settings), run(prompt, *settings)  [run streams],
   view(step_index), check(), reset(), stop(); trace() returns the JSON trace file.
-Settings, in order: strategy (autoregressive | fixed | dynamic | dynamic:auto), budget, top_m,
+Settings, in order: strategy (autoregressive | fixed | dynamic | dynamic:auto | dynamic:auto+lookup), budget, top_m,
 depth, fixed_preset (a shipped tree or "custom"), rule, temperature, precision, max_new_tokens,
 compare_fixed, custom_tree (JSON list of rank paths, read when fixed_preset is "custom").
 
@@ -72,7 +72,8 @@ TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
 FORCE_LIGHT_JS = "() => { document.body.classList.remove('dark'); }"
 STRATEGY_CHOICES = [("autoregressive", "autoregressive"), ("fixed", "fixed"), ("dynamic", "dynamic"),
-                    ("dynamic (auto budget)", labstate.AUTO_STRATEGY)]
+                    ("dynamic (auto budget)", labstate.AUTO_STRATEGY),
+                    ("dynamic (auto) + prompt lookup", labstate.LOOKUP_STRATEGY)]
 CUSTOM_TREE_EXAMPLE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
 log = logging.getLogger("medusa_lab")
 
@@ -138,9 +139,12 @@ def _summary(run: Run, stats: RunStats, check: labstate.GreedyCheck, index: int 
 
 def _tree_titles(run: Run, record) -> tuple[str, str]:
     settings = run.settings
-    if settings.strategy == "dynamic" and settings.auto_budget:
+    chain = " + prompt-lookup chain (◆)" if record.outcome.lookup_rank is not None else ""
+    if record.strategy == "lookup":
+        main = f"Heads skipped (auto is backing off): the prompt-lookup chain alone, {record.outcome.tree.num_nodes} nodes"
+    elif settings.strategy == "dynamic" and settings.auto_budget:
         main = (f"Dynamic tree, auto budget: {record.outcome.tree.num_nodes} of ≤ {settings.budget} nodes "
-                f"(top-{settings.top_m}, depth {settings.depth})")
+                f"(top-{settings.top_m}, depth {settings.depth}){chain}")
     elif settings.strategy == "dynamic":
         main = f"Dynamic tree (budget {settings.budget}, top-{settings.top_m}, depth {settings.depth})"
     elif settings.strategy == "fixed":
@@ -518,7 +522,9 @@ def _settings_panel(num_heads: int) -> list[gr.components.Component]:
     with gr.Accordion("Settings (applied at Start)", open=True):
         strategy = gr.Radio(STRATEGY_CHOICES, value=DEFAULTS.strategy, label="Strategy", elem_id="strategy",
                             info="dynamic (auto budget): each step keeps the node count (≤ budget) with the best "
-                                 "expected tokens/s, from a verify-cost profile measured once (5-10 s)")
+                                 "expected tokens/s, from a verify-cost profile measured once (5-10 s); "
+                                 "+ prompt lookup: the tokens that followed the text's last words where they "
+                                 "appeared before join the tree as one more branch (◆)")
         budget = gr.Slider(1, MAX_BUDGET, value=DEFAULTS.budget, step=1, label="Node budget (dynamic tree)",
                            elem_id="budget")
         top_m = gr.Slider(1, MAX_TOP_M, value=DEFAULTS.top_m, step=1, label="Top-m per head (dynamic tree)",
@@ -563,8 +569,11 @@ def _benchmark_tab() -> None:
         result = json.loads(path.read_text())
         config = result["config"]
         count = config.get("prompt_count") or config.get("limit") or "all"
-        gr.Markdown(f"#### {path.stem}: {count} prompts from `{Path(config['prompts']).name}`, "
-                    f"{config['max_new_tokens']} new tokens, {config['dtype']}, {result['device']['type']}\n\n"
+        device = result["device"].get("cuda") or result["device"]["type"]
+        cut = (f" (cut off by its time limit after {count} of {config.get('prompts_planned')} prompts)"
+               if result.get("complete") is False else "")
+        gr.Markdown(f"#### {path.stem}: {count} prompts from `{Path(config['prompts']).name}`{cut}, "
+                    f"{config['max_new_tokens']} new tokens, {config['dtype']}, {device}\n\n"
                     + markdown_table(result))
         gr.Plot(bench_figure(result, path.stem), show_label=False)
 

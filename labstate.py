@@ -40,7 +40,9 @@ from viz.timing_plot import ArBaseline
 
 PRECISIONS = ("fp32", "bf16")
 AUTO_STRATEGY = "dynamic:auto"  # the UI's "dynamic (auto budget)": dynamic + DecodeConfig.auto_budget
-UI_STRATEGIES = (*STRATEGIES, AUTO_STRATEGY)
+LOOKUP_STRATEGY = "dynamic:auto+lookup"  # the same plus a prompt-lookup chain in every tree
+UI_STRATEGIES = (*STRATEGIES, AUTO_STRATEGY, LOOKUP_STRATEGY)
+LOOKUP_TOKENS = 10  # the chain's length, as transformers' prompt_lookup_num_tokens in the benchmark
 CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
 MAX_TEMPERATURE = 2.0
 # Prompts: refused above MAX_PROMPT_TOKENS (chat template included). 2048 keeps a session's KV cache
@@ -79,6 +81,7 @@ class Settings:
     max_new_tokens: int = 128
     compare_fixed: bool = True
     auto_budget: bool = False  # dynamic only: per step the node count (<= budget) with the best tokens/s
+    lookup: bool = False  # dynamic only: a prompt-lookup chain joins every tree
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
 
     @property
@@ -87,7 +90,8 @@ class Settings:
 
     @property
     def strategy_label(self) -> str:
-        return f"dynamic (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
+        label = f"dynamic (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
+        return label + " + prompt lookup" if self.lookup else label
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,8 @@ def parse_settings(strategy: object, budget: object, top_m: object, depth: objec
                    compare_fixed: object, custom_tree: object = "") -> Settings:
     """Validated settings from raw UI/API values (any JSON type); LabInputError with a clear message otherwise.
 
-    `strategy` may be "dynamic:auto" (dynamic with the adaptive budget). `custom_tree` (JSON text) is
+    `strategy` may be "dynamic:auto" (dynamic with the adaptive budget) or "dynamic:auto+lookup" (that
+    plus a prompt-lookup chain in every tree). `custom_tree` (JSON text) is
     read only when `fixed_preset` is "custom".
     """
     strategy = _choice("strategy", strategy, UI_STRATEGIES)
@@ -179,13 +184,13 @@ def parse_settings(strategy: object, budget: object, top_m: object, depth: objec
     if rule == "greedy" and temperature > 0:
         raise LabInputError("the greedy rule needs temperature 0; pick typical or speculative acceptance to sample")
     paths = parse_custom_tree(custom_tree) if fixed_preset == CUSTOM_TREE else ()
-    auto = strategy == AUTO_STRATEGY
+    auto, lookup = strategy in (AUTO_STRATEGY, LOOKUP_STRATEGY), strategy == LOOKUP_STRATEGY
     return Settings(strategy="dynamic" if auto else strategy, budget=_as_int("node budget", budget, 1, MAX_BUDGET),
                     top_m=_as_int("top-m", top_m, 1, MAX_TOP_M), depth=_as_int("depth", depth, 1, 16),
                     fixed_preset=fixed_preset, rule=rule, temperature=temperature, precision=precision,
                     max_new_tokens=_as_int("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS),
                     compare_fixed=_as_bool("compare with the fixed tree", compare_fixed), auto_budget=auto,
-                    custom_tree=paths)
+                    lookup=lookup, custom_tree=paths)
 
 
 def parse_custom_tree(text: object) -> tuple[tuple[int, ...], ...]:
@@ -261,7 +266,8 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
                           depth=settings.depth, fixed_tree=tree, accept=accept,
                           max_new_tokens=settings.max_new_tokens,
                           compare_fixed=settings.compare_fixed and settings.strategy == "dynamic",
-                          auto_budget=settings.auto_budget and settings.strategy == "dynamic")
+                          auto_budget=settings.auto_budget and settings.strategy == "dynamic",
+                          lookup_tokens=LOOKUP_TOKENS if settings.lookup and settings.strategy == "dynamic" else 0)
     return config, note if uses_fixed else ""
 
 

@@ -4,7 +4,8 @@
         --strategies ar,fixed:mc_sim_7b_63,fixed:calibrated,dynamic:64 --dtype fp32 --out results.json
 
 Strategy specs: `ar` (our autoregressive loop over the same stepping API), `fixed:<tree name or
-JSON file>`, `dynamic:<non-root node budget>`, `hf:greedy` (transformers' generate) and
+JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, either with `+lookup` (a
+prompt-lookup chain joins the tree), `hf:greedy` (transformers' generate) and
 `hf:prompt_lookup` (generate with prompt-lookup decoding). `fixed` / `dynamic` alone mean the
 defaults. Every ratio is against `ar` measured in the same run, same precision.
 """
@@ -33,6 +34,7 @@ from core.tree import fixed_tree
 
 DEFAULT_STRATEGIES = "ar,fixed:mc_sim_7b_63,dynamic:63"
 PHASES = ("heads", "tree", "verify", "accept", "commit")
+LOOKUP_TOKENS = 10  # as transformers' prompt_lookup_num_tokens below
 
 
 @dataclass(frozen=True)
@@ -86,18 +88,23 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
             fixed_tree(choices)  # validate early
             return replace(base_config, strategy="fixed", fixed_tree=tuple(tuple(p) for p in choices))
         return replace(base_config, strategy="fixed", fixed_tree=name)
-    if kind == "dynamic" and arg == "auto":
-        return replace(base_config, strategy="dynamic", budget=63, auto_budget=True)
     if kind == "dynamic":
-        return replace(base_config, strategy="dynamic", budget=int(arg) if arg else 63)
+        size, _, extra = arg.partition("+")
+        if extra not in ("", "lookup"):
+            raise ValueError(f"unknown addition {extra!r} in {spec!r}: only +lookup")
+        lookup = LOOKUP_TOKENS if extra else 0
+        if size == "auto":
+            return replace(base_config, strategy="dynamic", budget=63, auto_budget=True, lookup_tokens=lookup)
+        return replace(base_config, strategy="dynamic", budget=int(size) if size else 63, lookup_tokens=lookup)
     if kind == "hf" and arg in ("greedy", "prompt_lookup"):
         return spec
-    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>, hf:greedy, hf:prompt_lookup")
+    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>[+lookup], dynamic:auto[+lookup], "
+                     "hf:greedy, hf:prompt_lookup")
 
 
 @torch.inference_mode()
 def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: int) -> tuple[list[int], float]:
-    extra = {"prompt_lookup_num_tokens": 10} if spec == "hf:prompt_lookup" else {}
+    extra = {"prompt_lookup_num_tokens": LOOKUP_TOKENS} if spec == "hf:prompt_lookup" else {}
     start = time.perf_counter()
     out = base.model.generate(torch.tensor([prompt_ids], device=base.device), max_new_tokens=max_new_tokens,
                               do_sample=False, eos_token_id=sorted(base.eos_token_ids), **extra)

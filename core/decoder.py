@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from core.accept import AcceptConfig, accept, rows_to_project
 from core.heads import MedusaHeads
 from core.kvcache import cache_length, keep_accepted, truncate
+from core.lookup import LookupDraft, LookupStats, graft_chain, lookup_draft, token_table
 from core.model import BaseModel
 from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate, verify_profile
 from core.sampling import SamplingConfig, next_token
@@ -33,6 +34,7 @@ STRATEGIES = ("autoregressive", "fixed", "dynamic")
 MAX_BUDGET = 256
 MAX_TOP_M = 64
 MAX_NEW_TOKENS = 1024
+MAX_LOOKUP_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class DecodeConfig:
     top_m: candidates kept per head. depth: heads used (tree depth). fixed_tree: a shipped
     tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
     every dynamic step (for the side-by-side view; costs a second forward, never committed).
+    lookup_tokens: dynamic only; when > 0, a prompt-lookup chain of up to this many tokens joins
+    the tree each step (`core.lookup`), and steps that skip the heads still verify it.
     """
 
     strategy: str = "dynamic"
@@ -57,6 +61,7 @@ class DecodeConfig:
     compare_fixed: bool = False
     record_texts: bool = True
     auto_budget: bool = False  # dynamic:auto: per step, the node count (<= budget) maximising tokens/s
+    lookup_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -65,6 +70,9 @@ class DecodeConfig:
         _check_int("top_m", self.top_m, 1, MAX_TOP_M)
         _check_int("depth", self.depth, 1, 16)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+        _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS)
+        if self.lookup_tokens and self.strategy != "dynamic":
+            raise ValueError("a prompt-lookup branch needs the dynamic strategy")
 
     def resolve_fixed_tree(self) -> CandidateTree:
         if isinstance(self.fixed_tree, str):
@@ -106,6 +114,7 @@ class TreeOutcome:
     bonus_token: int
     node_texts: list[str] = field(default_factory=list)
     bonus_text: str = ""
+    lookup_rank: int | None = None  # the rank that marks prompt-lookup nodes, if any
 
     @property
     def accepted_length(self) -> int:
@@ -118,7 +127,7 @@ class StepRecord:
     """Everything one step did, for the UI, the benchmark and JSON traces."""
 
     index: int
-    strategy: str
+    strategy: str  # autoregressive | fixed | dynamic | lookup (a step that verified only the lookup chain)
     context_length: int  # tokens in the KV cache before the step
     head_token_ids: list[list[int]]  # [K][m] each head's top-m tokens
     head_probs: list[list[float]]  # [K][m] their (softmax) probabilities
@@ -157,7 +166,7 @@ class DecodeSession:
             raise ValueError(f"the fixed tree is {self.fixed.max_depth} deep but only "
                              f"{heads.config.num_heads if heads else 0} heads are loaded")
         self.prompt_ids = list(prompt_ids)
-        self._max_tree_nodes = max(config.budget, self.fixed.num_nodes if self.fixed else 0)
+        self._max_tree_nodes = max(config.budget, self.fixed.num_nodes if self.fixed else 0) + config.lookup_tokens
         if len(self.prompt_ids) + self._max_tree_nodes + 2 > base.max_positions:
             raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; with a {self._max_tree_nodes}-node tree "
                              f"it does not fit the model's context of {base.max_positions}")
@@ -165,6 +174,7 @@ class DecodeSession:
         self.draft = heads.draft_projection(base.lm_head) if heads is not None and not heads.config.own_lm_head else None
         self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
         self.calibration = DepthCalibration()
+        self.lookup_stats = LookupStats()
         self._plain_until = 0  # dynamic:auto: plain steps until this record index (backing off)
         self._backoff = 0  # length of the current back-off
         self.cache = DynamicCache()
@@ -193,10 +203,16 @@ class DecodeSession:
         """Run one decoding step; raises RuntimeError when the session has finished."""
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
-        if self.config.strategy == "autoregressive" or len(self.records) < self._plain_until:
-            record = self._step_autoregressive()  # dynamic:auto falls back while speculation cannot pay
+        backing_off = len(self.records) < self._plain_until  # dynamic:auto: the heads cannot pay now
+        start = time.perf_counter()
+        draft = self._lookup_draft()
+        draft_seconds = time.perf_counter() - start
+        if self.config.strategy == "autoregressive" or (backing_off and draft is None):
+            record = self._step_autoregressive()
         else:
-            record = self._step_tree()
+            record = self._step_tree(draft, use_heads=not backing_off)
+        if self.config.lookup_tokens:  # looking for the chain is part of building the tree
+            record = replace(record, times=replace(record.times, tree=record.times.tree + draft_seconds))
         record = replace(record, new_tokens=self._emit(record.new_tokens))
         self.records.append(record)
         if self.finished:
@@ -210,6 +226,7 @@ class DecodeSession:
         twin.cache = copy.deepcopy(self.cache)
         twin.records, twin.output_ids = list(self.records), list(self.output_ids)
         twin.calibration = copy.deepcopy(self.calibration)
+        twin.lookup_stats = copy.deepcopy(self.lookup_stats)
         twin.generator = torch.Generator().manual_seed(seed)
         return twin
 
@@ -274,15 +291,37 @@ class DecodeSession:
         depth = max(self.config.depth, self.fixed.max_depth if self.fixed else 0)
         return self.heads.propose(self.last_hidden, width, self.draft, depth=depth)  # [D, width] each
 
-    def _build_tree(self, head_probs: torch.Tensor) -> CandidateTree:
+    def _lookup_draft(self) -> LookupDraft | None:
+        """The prompt-lookup chain after the current root, when the config asks for one."""
+        if not self.config.lookup_tokens:
+            return None
+        return lookup_draft(self.prompt_ids + self.output_ids, self.config.lookup_tokens)
+
+    def _build_tree(self, head_probs: torch.Tensor, head_ids: torch.Tensor, draft: LookupDraft | None,
+                    use_heads: bool) -> tuple[CandidateTree, list]:
+        """The step's tree and the lookup chain's node paths in it (empty without a draft)."""
         if self.config.strategy == "fixed":
-            return self.fixed
+            return self.fixed, []
         tree = dynamic_tree(head_probs[: self.config.depth, : self.config.top_m], self.config.budget)
+        chain: list = []
+        if draft is not None and draft.tokens:
+            tree, chain = graft_chain(tree, head_ids.tolist(), draft, self.lookup_stats.chances(draft),
+                                      lookup_rank=head_ids.shape[1])
         if not self.config.auto_budget:
-            return tree
-        # any prefix of the best-first order is itself a tree: keep the one with the best rate
-        size, rate = best_prefix(tree.scores, tree.depths[1:], self.profile, self._overhead_ms(tree_steps=True),
-                                 self.calibration)
+            return tree, chain
+        # any prefix of the best-first order is itself a tree: keep the one with the best rate; the
+        # heads' scores are corrected per depth by the acceptance seen so far, the chain's are its own
+        on_chain = set(chain)
+        expected = [score if path in on_chain else score * self.calibration.factor(len(path))
+                    for path, score in zip(tree.paths, tree.scores)]
+        size, rate = best_prefix(expected, tree.depths[1:], self.profile, self._overhead_ms(tree_steps=use_heads))
+        if use_heads:
+            self._update_backoff(size, rate)
+        kept = set(tree.paths[:size])
+        return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic"), \
+            [path for path in chain if path in kept]
+
+    def _update_backoff(self, size: int, rate: float) -> None:
         plain = self._measured_rate(tree_steps=False) or plain_rate(self.profile, self._overhead_ms(tree_steps=False))
         measured = self._measured_rate(tree_steps=True)
         # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain
@@ -295,35 +334,40 @@ class DecodeSession:
         else:
             self._backoff = 0
         self._plain_until = len(self.records) + 1 + self._backoff  # steps after this one
-        return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic")
+
+    @staticmethod
+    def _used_heads(record: StepRecord) -> bool:
+        return record.strategy not in ("autoregressive", "lookup")
 
     def _measured_rate(self, tree_steps: bool) -> float | None:
-        """Tokens per ms that the last 24 tree (or plain) steps actually delivered; None before 12 of them."""
-        recent = [r for r in self.records[-96:] if (r.strategy != "autoregressive") == tree_steps][-24:]
+        """Tokens per ms that the last 24 steps with (or without) the heads actually delivered;
+        None before 12 of them. Steps without the heads are plain or lookup-only ones."""
+        recent = [r for r in self.records[-96:] if self._used_heads(r) == tree_steps][-24:]
         if len(recent) < 12:
             return None
         return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
 
     def _overhead_ms(self, tree_steps: bool) -> float:
-        """Mean non-verify time (heads, tree, accept, commit) of recent tree or plain steps.
+        """Mean non-verify time (heads, tree, accept, commit) of recent steps with or without heads.
 
         Verify times include the logits' projection (the profile measures it too). Before any plain
         step, a plain step's overhead is estimated by the tree steps' accept time.
         """
-        recent = [r for r in self.records[-16:] if (r.strategy != "autoregressive") == tree_steps]
+        recent = [r for r in self.records[-16:] if self._used_heads(r) == tree_steps]
         if recent:
             return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
-        tree_recent = [r for r in self.records[-16:] if r.strategy != "autoregressive"]
+        tree_recent = [r for r in self.records[-16:] if self._used_heads(r)]
         if not tree_steps and tree_recent:
             return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
         return 2.0
 
-    def _verify_and_accept(self, tree: CandidateTree, head_probs: torch.Tensor, head_ids: torch.Tensor
-                           ) -> tuple[TreeOutcome, VerifyOutput, float, float]:
-        """Verify `tree` on top of the cache and apply the acceptance rule (the cache keeps the tree)."""
+    def _verify_and_accept(self, tree: CandidateTree, head_probs: torch.Tensor, token_ids: torch.Tensor,
+                           lookup_rank: int | None = None) -> tuple[TreeOutcome, VerifyOutput, float, float]:
+        """Verify `tree` on top of the cache and apply the acceptance rule (the cache keeps the tree).
+        token_ids: [rows, ranks] token of each (depth, rank), the heads' top-m plus any lookup column."""
         device = self.base.device
         buffers = tree.buffers()
-        tokens = tree.node_tokens(self.root_token, head_ids)  # [n+1]
+        tokens = tree.node_tokens(self.root_token, token_ids)  # [n+1]
         t0 = _clock(device)
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
         out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
@@ -335,36 +379,43 @@ class DecodeSession:
         scores = tree.scores if tree.scores is not None else tree.path_scores(head_probs)
         outcome = TreeOutcome(tree=tree, node_tokens=token_list, node_scores=[1.0] + list(scores),
                               accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
-                              node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])))
+                              node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
+                              lookup_rank=lookup_rank)
         return outcome, out, t1 - t0, t2 - t1
 
-    def _step_tree(self) -> StepRecord:
+    def _step_tree(self, draft: LookupDraft | None = None, use_heads: bool = True) -> StepRecord:
+        """One tree step; without the heads (dynamic:auto backing off) the tree is the lookup chain."""
         device = self.base.device
         context = cache_length(self.cache)
         t0 = _clock(device)
-        head_probs, head_ids = self._propose()
+        if use_heads:
+            head_probs, head_ids = self._propose()  # [D, m] each
+        else:
+            head_probs, head_ids = torch.zeros(0, self.config.top_m), torch.zeros(0, self.config.top_m, dtype=torch.long)
         t1 = _clock(device)
-        tree = self._build_tree(head_probs)
+        tree, chain = self._build_tree(head_probs, head_ids, draft, use_heads)
+        token_ids = token_table(head_ids, draft) if chain else head_ids
         t2 = _clock(device)
         comparison, compare_seconds = None, 0.0
-        if self.config.compare_fixed and self.config.strategy == "dynamic":
+        if self.config.compare_fixed and self.config.strategy == "dynamic" and use_heads:
             c0 = _clock(device)
             comparison, _, _, _ = self._verify_and_accept(self.fixed, head_probs, head_ids)
             truncate(self.cache, context)  # the comparison is never committed
             compare_seconds = _clock(device) - c0
-        outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(tree, head_probs, head_ids)
+        lookup_rank = head_ids.shape[1] if chain else None
+        outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(tree, head_probs, token_ids, lookup_rank)
         c0 = _clock(device)
         accepted = torch.tensor(outcome.accepted_nodes, device=device)
         keep_accepted(self.cache, context, accepted)
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
-        if self.config.auto_budget:
-            self.calibration.update(tree.depths[1:], tree.scores or [], outcome.accepted_length - 1)
         new_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
+        self._learn(tree, outcome, draft, chain, new_tokens, use_heads)
         shown = min(self.config.top_m, 10)
         return StepRecord(
-            index=len(self.records), strategy=self.config.strategy, context_length=context,
+            index=len(self.records), context_length=context,
+            strategy=self.config.strategy if use_heads else ("lookup" if chain else "autoregressive"),
             head_token_ids=head_ids[:, :shown].tolist(), head_probs=head_probs[:, :shown].tolist(),
             outcome=outcome, new_tokens=new_tokens + [outcome.bonus_token],
             times=PhaseTimes(heads=t1 - t0, tree=t2 - t1, verify=verify_seconds, accept=accept_seconds,
@@ -373,6 +424,19 @@ class DecodeSession:
             head_texts=[self._texts(row) for row in head_ids[:, :shown].tolist()] if self.config.record_texts else [],
         )
 
+    def _learn(self, tree: CandidateTree, outcome: TreeOutcome, draft: LookupDraft | None, chain: list,
+               new_tokens: list[int], use_heads: bool) -> None:
+        """Update the acceptance estimates: the lookup chain's, and (auto) the heads' per depth."""
+        if chain:
+            self.lookup_stats.update(draft, len(chain), new_tokens)
+        if not (self.config.auto_budget and use_heads):
+            return
+        lookup = outcome.lookup_rank
+        head_nodes = [i for i, path in enumerate(tree.paths) if lookup is None or lookup not in path]
+        accepted_by_heads = sum(1 for node in outcome.accepted_nodes[1:]
+                                if lookup is None or lookup not in tree.paths[node - 1])
+        self.calibration.update([tree.depths[i + 1] for i in head_nodes], [(tree.scores or [])[i] for i in head_nodes],
+                                accepted_by_heads)
 
 def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int],
                   config: DecodeConfig, profile: CostProfile | None = None) -> DecodeSession:

@@ -178,7 +178,7 @@ def dynamic_tree(head_probs: torch.Tensor, budget: int) -> CandidateTree:
         raise ValueError(f"budget must be >= 0, got {budget}")
     probs = head_probs.float()
     probs = (probs / probs.sum(dim=1, keepdim=True).clamp_min(1e-30)).tolist()  # one host transfer
-    depth_limit, width = len(probs), len(probs[0])
+    depth_limit, width = len(probs), len(probs[0]) if probs else 0
     paths: list[RankPath] = []
     scores: list[float] = []
     counter = 0  # insertion order breaks score ties deterministically

@@ -151,3 +151,57 @@ def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt
         else:
             assert calls[0] < budget + 1 and len(calls) <= 2
         truncate(session.cache, context)
+
+
+COPY_PROMPT = ("Copy this list exactly, one item per line: apples, pears, plums, cherries, grapes, "
+               "lemons, limes, melons, peaches, apricots.")
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_lookup_branch_greedy_fp32_equals_plain(base_fp32, shipped_heads, plain_fp32, auto):
+    """The prompt-lookup chain changes which tokens are verified, never which are emitted."""
+    for prompt_ids, plain in plain_fp32[:3]:
+        config = DecodeConfig(strategy="dynamic", auto_budget=auto, lookup_tokens=10, max_new_tokens=NEW_TOKENS)
+        session = decode(base_fp32, shipped_heads, prompt_ids, config)
+        assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
+
+
+def test_lookup_nodes_carry_copied_text(base_fp32, shipped_heads):
+    """On a copying task the chain's nodes are accepted, and they hold the copied tokens."""
+    plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(strategy="autoregressive", max_new_tokens=40))
+    config = DecodeConfig(strategy="dynamic", budget=15, lookup_tokens=8, max_new_tokens=40)
+    session = decode(base_fp32, shipped_heads, COPY_PROMPT, config)
+    assert session.output_ids == plain.output_ids
+    accepted_lookup = 0
+    for record in session.records:
+        outcome = record.outcome
+        assert outcome.lookup_rank == (32 if any(32 in p for p in outcome.tree.paths) else None)
+        for node in outcome.accepted_nodes[1:]:
+            accepted_lookup += outcome.lookup_rank in outcome.tree.paths[node - 1]
+    assert accepted_lookup >= 5
+    assert session.tokens_per_step > decode(base_fp32, shipped_heads, COPY_PROMPT,
+                                            DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=40)).tokens_per_step
+
+
+def test_steps_without_heads_still_verify_the_lookup_chain(base_fp32, shipped_heads):
+    """While auto backs off from the heads, each step verifies the lookup chain alone; still exact."""
+    from core.profile import CostProfile
+
+    plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(strategy="autoregressive", max_new_tokens=40))
+    config = DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=8, max_new_tokens=40)
+    session = start_session(base_fp32, shipped_heads, COPY_PROMPT, config,
+                            profile=CostProfile(sizes=[1, 128], ms=[20.0, 20.0]))
+    session._plain_until = 10 ** 6  # as if the heads had stopped paying for good
+    records = list(session.run())
+    assert session.output_ids == plain.output_ids
+    assert {r.strategy for r in records} <= {"lookup", "autoregressive"}
+    lookup_steps = [r for r in records if r.strategy == "lookup"]
+    assert len(lookup_steps) >= 3 and all(r.head_token_ids == [] for r in lookup_steps)
+    assert sum(len(r.new_tokens) for r in lookup_steps) >= 2 * len(lookup_steps)  # the copy is accepted
+
+
+def test_lookup_needs_the_dynamic_strategy():
+    with pytest.raises(ValueError, match="dynamic"):
+        DecodeConfig(strategy="fixed", lookup_tokens=4)
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        DecodeConfig(lookup_tokens=99)

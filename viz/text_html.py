@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 ROLES = {
     "root": "first token (root of step 0, from the prefill)",
     "accepted": "head guess accepted",
+    "copied": "prompt-lookup guess accepted",
     "bonus": "bonus token (base model)",
 }
 
@@ -27,7 +28,7 @@ class EmittedToken:
     text: str
     token_id: int
     step: int  # the step that emitted it; -1 for the prefill token
-    role: str  # root | accepted | bonus
+    role: str  # root | accepted | copied | bonus
 
 
 def emitted_tokens(records: Sequence[StepRecord], first_id: int, first_text: str, limit: int) -> list[EmittedToken]:
@@ -38,7 +39,8 @@ def emitted_tokens(records: Sequence[StepRecord], first_id: int, first_text: str
         texts = outcome.node_texts if len(outcome.node_texts) == len(outcome.node_tokens) else None
         for node in outcome.accepted_nodes[1:]:
             text = texts[node] if texts else f"#{outcome.node_tokens[node]}"
-            tokens.append(EmittedToken(text, outcome.node_tokens[node], record.index, "accepted"))
+            copied = outcome.lookup_rank is not None and outcome.lookup_rank in outcome.tree.paths[node - 1]
+            tokens.append(EmittedToken(text, outcome.node_tokens[node], record.index, "copied" if copied else "accepted"))
         bonus_text = outcome.bonus_text if outcome.bonus_text or texts else f"#{outcome.bonus_token}"
         tokens.append(EmittedToken(bonus_text, outcome.bonus_token, record.index, "bonus"))
     return tokens[:limit]
@@ -58,8 +60,10 @@ def _token_span(token: EmittedToken, selected_step: int | None) -> str:
 
 def text_html(tokens: Sequence[EmittedToken], selected_step: int | None = None) -> str:
     """The generated text, one span per token: background = step, underline = head guess, bold orange = bonus."""
+    copied = ('<span class="tok s0 r-copied">lookup guess accepted</span> '
+              if any(t.role == "copied" for t in tokens) else "")
     legend = ('<div class="gen-legend"><span class="tok s-pre r-root">first token</span> '
-              '<span class="tok s0 r-accepted">head guess accepted</span> '
+              '<span class="tok s0 r-accepted">head guess accepted</span> ' + copied +
               '<span class="tok s0 r-bonus">bonus (base model)</span> '
               '<span class="hint">background colour = step that produced the token; hover for details</span></div>')
     if not tokens:
@@ -72,6 +76,9 @@ def heads_html(record: StepRecord | None) -> str:
     """Each head's top guesses with probabilities; the guesses on the accepted path are marked ✓."""
     if record is None:
         return '<div class="heads-table empty">Each head\'s top guesses appear here after the first step.</div>'
+    if not record.head_probs and record.strategy == "lookup":
+        return ('<div class="heads-table empty">No heads in this step: the auto budget is backing off (the heads '
+                'have not paid lately), so the tree is only the prompt-lookup chain (◆).</div>')
     if not record.head_probs:
         return ('<div class="heads-table empty">No heads in this step: autoregressive decoding asks only the '
                 'base model for one token.</div>')

@@ -105,12 +105,21 @@ def _node_texts(outcome: TreeOutcome) -> list[str]:
     return [f"#{token}" for token in outcome.node_tokens]
 
 
+def _lookup_nodes(outcome: TreeOutcome) -> set[int]:
+    """Nodes of the prompt-lookup chain that are not also head guesses."""
+    rank = outcome.lookup_rank
+    return set() if rank is None else {i + 1 for i, path in enumerate(outcome.tree.paths) if rank in path}
+
+
 def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: float, joint: float,
-           accepted: bool) -> str:
+           accepted: bool, copied: bool = False) -> str:
     if node == 0:
         return (f"<b>root</b> {token_hover(text)} (id {token})<br>the base model's own next token,"
                 f"<br>emitted by the previous step" + ("<br><b>✓ start of the accepted path</b>" if accepted else ""))
     verdict = "<b>✓ accepted</b>" if accepted else "✗ not accepted"
+    if copied:
+        return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · depth {depth} · ◆ prompt lookup: copied from"
+                f" where the last words appeared before<br>estimated p = {joint:.3f} (learned this run)<br>{verdict}")
     return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · head {depth} · rank {rank}"
             f"<br>marginal p = {marginal:.4f}<br>joint p = {joint:.2e}<br>{verdict}")
 
@@ -142,6 +151,7 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
     row_px = (height - HEADER_PX) / (layout.rows + 1)
     accepted = list(outcome.accepted_nodes)
     accepted_set = set(accepted)
+    copied = _lookup_nodes(outcome)
     texts = _node_texts(outcome)
     marginals = _marginals(scores, parents)
     labelled = _labelled_nodes(layout, scores, accepted, row_px)
@@ -168,10 +178,11 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
         textposition=["middle left"] + ["middle right"] * (len(texts) - 1),  # root label left of the fan
         textfont={"size": 12, "color": style.TEXT},
         hovertext=[_hover(i, texts[i], outcome.node_tokens[i], depths[i], ranks[i], marginals[i], scores[i],
-                          i in accepted_set) for i in range(len(texts))],
+                          i in accepted_set, i in copied) for i in range(len(texts))],
         hoverinfo="text",
         marker={
             "size": [_marker_size(p) for p in scores],
+            "symbol": ["diamond" if i in copied else "circle" for i in range(len(texts))],
             "color": [_log_prob(p) for p in scores],
             "colorscale": style.PROB_COLORSCALE, "cmin": style.LOG_PROB_FLOOR, "cmax": 0.0,
             "line": {"color": [style.ACCEPTED if i in accepted_set else "white" for i in range(len(texts))],
@@ -195,7 +206,8 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
 
     max_x = max(layout.x + [bonus_x])
     # columns beyond the tree hold only the bonus token (the base model's, not a head's)
-    tick_text = ["root"] + [f"head {d}" if d <= tree.max_depth else "bonus" for d in range(1, int(max_x) + 1)]
+    column = "depth" if copied else "head"  # a lookup chain may run deeper than the heads
+    tick_text = ["root"] + [f"{column} {d}" if d <= tree.max_depth else "bonus" for d in range(1, int(max_x) + 1)]
     accepted_heads = len(accepted) - 1
     subtitle = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted_heads} head "
                 f"guess{'es' if accepted_heads != 1 else ''} accepted + bonus = {accepted_heads + 1} "
