@@ -495,7 +495,10 @@ expect about 1.7-1.9 tokens per step from a 63-node tree (Medusa's heads on Vicu
 head 2 rank r2 … is one guess of the next tokens. Medusa's *fixed* tree uses the same rank paths at every
 step (right plot). The *dynamic* tree (left plot) picks, at every step, the *budget* paths with the highest
 joint probability p1[r1]·p2[r2]·…, so it grows where the heads are confident. Node colour and size show that
-joint probability.
+joint probability. With **+ prompt lookup**, one more branch (◆ nodes) copies the tokens that followed the
+last place where the text's final words appeared before (in the prompt or the answer so far): heads guess
+what the model would write, lookup guesses what it will copy (names, numbers, lists, code). Copied tokens
+that are accepted get a dashed purple underline in the text.
 
 **Tree attention.** All candidates are checked in **one** forward pass of the base model. The
 **Attention mask** tab shows how: each node may look at the whole context and at its own ancestors only,

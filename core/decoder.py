@@ -8,7 +8,8 @@ A step (tree strategies): heads propose -> tree builder -> buffers -> one verify
 the whole tree -> acceptance rule -> KV commit of the accepted path. The root of each tree is
 the base model's own next token (the previous step's bonus token); a step emits the accepted
 head tokens plus the bonus token, so the autoregressive step (a tree with only the root)
-emits exactly one.
+emits exactly one. With `lookup_tokens`, a prompt-lookup chain joins each dynamic tree
+(`core.lookup`); while dynamic:auto skips the heads, a step verifies that chain alone.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from core.kvcache import cache_length, keep_accepted, truncate
 from core.lookup import LookupDraft, LookupStats, graft_chain, lookup_draft, token_table
 from core.model import BaseModel
 from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate, verify_profile
-from core.sampling import SamplingConfig, next_token
-from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
+from core.sampling import next_token
+from core.tree import CandidateTree, RankPath, dynamic_tree, fixed_tree, named_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
 
 STRATEGIES = ("autoregressive", "fixed", "dynamic")
@@ -298,12 +299,12 @@ class DecodeSession:
         return lookup_draft(self.prompt_ids + self.output_ids, self.config.lookup_tokens)
 
     def _build_tree(self, head_probs: torch.Tensor, head_ids: torch.Tensor, draft: LookupDraft | None,
-                    use_heads: bool) -> tuple[CandidateTree, list]:
+                    use_heads: bool) -> tuple[CandidateTree, list[RankPath]]:
         """The step's tree and the lookup chain's node paths in it (empty without a draft)."""
         if self.config.strategy == "fixed":
             return self.fixed, []
         tree = dynamic_tree(head_probs[: self.config.depth, : self.config.top_m], self.config.budget)
-        chain: list = []
+        chain: list[RankPath] = []
         if draft is not None and draft.tokens:
             tree, chain = graft_chain(tree, head_ids.tolist(), draft, self.lookup_stats.chances(draft),
                                       lookup_rank=head_ids.shape[1])
@@ -411,7 +412,7 @@ class DecodeSession:
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
         new_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
-        self._learn(tree, outcome, draft, chain, new_tokens, use_heads)
+        self._learn(outcome, draft, chain, use_heads=use_heads)
         shown = min(self.config.top_m, 10)
         return StepRecord(
             index=len(self.records), context_length=context,
@@ -424,11 +425,13 @@ class DecodeSession:
             head_texts=[self._texts(row) for row in head_ids[:, :shown].tolist()] if self.config.record_texts else [],
         )
 
-    def _learn(self, tree: CandidateTree, outcome: TreeOutcome, draft: LookupDraft | None, chain: list,
-               new_tokens: list[int], use_heads: bool) -> None:
+    def _learn(self, outcome: TreeOutcome, draft: LookupDraft | None, chain: list[RankPath], *,
+               use_heads: bool) -> None:
         """Update the acceptance estimates: the lookup chain's, and (auto) the heads' per depth."""
+        tree = outcome.tree
         if chain:
-            self.lookup_stats.update(draft, len(chain), new_tokens)
+            accepted_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
+            self.lookup_stats.update(draft, len(chain), accepted_tokens)
         if not (self.config.auto_budget and use_heads):
             return
         lookup = outcome.lookup_rank

@@ -126,7 +126,7 @@ BAD_INPUTS = [
     ("run", PROMPT_A, {"max_new_tokens": 10 ** 6}, r"max new tokens must be between 1 and 1024, got 1000000"),
     ("start", PROMPT_A, {"max_new_tokens": None}, r"max new tokens must be a whole number, got None"),
     ("start", PROMPT_A, {"strategy": "beam"}, r"strategy must be one of autoregressive, fixed, dynamic, "
-                                              r"dynamic:auto, got 'beam'"),
+                                              r"dynamic:auto, dynamic:auto\+lookup, got 'beam'"),
     ("start", PROMPT_A, {"precision": "fp8"}, r"precision must be one of fp32, bf16, got 'fp8'"),
     ("start", PROMPT_A, {"fixed_preset": "../../etc/passwd"}, r"unknown fixed tree '../../etc/passwd'"),
     ("start", PROMPT_A, {"compare_fixed": "yes"}, r"compare with the fixed tree must be true or false"),
@@ -318,6 +318,21 @@ def test_auto_budget_shows_the_node_count_chosen_each_step(url, plain_greedy, mo
     assert summary["output_ids"] == plain_greedy(PROMPT_A, 6)
     assert len(summary["nodes_per_step"]) == summary["steps"]
     assert all(0 <= n <= 15 for n in summary["nodes_per_step"])
+
+
+def test_lookup_strategy_copies_through_the_api(url, plain_greedy, monkeypatch):
+    """dynamic:auto+lookup through gradio_client: exact output, copied nodes accepted, labelled as such."""
+    profile = CostProfile(sizes=[1, 16, 64], ms=[10.0, 11.0, 40.0], device="cpu", model="test")
+    monkeypatch.setitem(labstate._PROFILES, str(labstate.runtime("fp32").base.dtype), profile)
+    prompt = "Repeat exactly: red, orange, yellow, green, blue, indigo, violet, red, orange, yellow."
+    client = _client(url)
+    final = _call(client, "run", prompt, strategy="dynamic:auto+lookup", max_new_tokens=24)
+    summary = final[OUT["summary"]]
+    assert summary["output_ids"] == plain_greedy(prompt, 24)
+    assert summary["settings"]["lookup"] is True and summary["settings"]["auto_budget"] is True
+    assert "dynamic (auto budget ≤ 15) + prompt lookup" in final[OUT["status"]]
+    assert summary["steps"] < 20  # copying pays: fewer steps than tokens
+    assert "lookup guess accepted" in final[OUT["text"]]
 
 
 def test_custom_tree_is_used(url, plain_greedy):
