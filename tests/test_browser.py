@@ -92,7 +92,7 @@ def page():
 def test_step_renders_tree_text_and_timing(server, page, tmp_path):
     url, launched = server
     page.goto(url)
-    prompt = page.get_by_label("Prompt")
+    prompt = page.get_by_label("Prompt", exact=True)
     prompt.fill("Say hello to <b>bold</b> people <script>window.__pwned = 1</script> 🙂")
     page.locator("#step-btn").click()
     page.wait_for_function(TREE_POINTS_JS, arg=3, timeout=UI_TIMEOUT_MS)  # root, a candidate, the bonus
