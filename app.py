@@ -139,7 +139,7 @@ def _summary(run: Run, stats: RunStats, check: labstate.GreedyCheck, index: int 
 
 def _tree_titles(run: Run, record) -> tuple[str, str]:
     settings = run.settings
-    chain = " + prompt-lookup chain (◆)" if record.outcome.lookup_rank is not None else ""
+    chain = " + lookup ◆" if record.outcome.lookup_rank is not None else ""
     if record.strategy == "lookup":
         main = f"Heads skipped (auto is backing off): the prompt-lookup chain alone, {record.outcome.tree.num_nodes} nodes"
     elif settings.strategy == "dynamic" and settings.auto_budget:

@@ -284,3 +284,30 @@ def test_to_jsonable_tensors_and_named_tree():
     assert to_jsonable(torch.tensor([[1, 2]])) == [[1, 2]]
     tree = to_jsonable(named_tree("mc_sim_7b_63"))
     assert len(tree["paths"]) == 63 and set(tree) == {"paths", "scores", "kind"}
+
+
+def _lookup_outcome() -> TreeOutcome:
+    """Heads' tree [[0], [1], [0, 0]] plus a lookup chain (rank 3) under (0,): nodes (0, 3), (0, 3, 3)."""
+    tree = CandidateTree(paths=[(0,), (1,), (0, 0), (0, 3), (0, 3, 3)], scores=[0.6, 0.3, 0.3, 0.5, 0.4],
+                         kind="dynamic")
+    return TreeOutcome(tree=tree, node_tokens=list(range(200, 206)), node_scores=[1.0, 0.6, 0.3, 0.3, 0.5, 0.4],
+                       accepted_nodes=[0, 1, 4, 5], bonus_token=999, node_texts=["r", "a", "b", "c", "d", "e"],
+                       bonus_text="!", lookup_rank=3)
+
+
+def test_lookup_nodes_are_diamonds_and_copied_tokens_are_marked():
+    outcome = _lookup_outcome()
+    fig = tree_figure(outcome, "hybrid")
+    nodes = _trace(fig, "candidate (colour = joint p)")
+    assert [i for i, s in enumerate(nodes.marker.symbol) if s == "diamond"] == [4, 5]
+    assert "prompt lookup" in nodes.hovertext[4] and "rank" not in nodes.hovertext[4]
+    assert "head 1 · rank 1" in nodes.hovertext[2]
+    assert "3 guesses accepted (2 ◆ copied) + bonus = 4 tokens" in fig.layout.title.text
+    assert list(fig.layout.xaxis.ticktext) == ["root", "1", "2", "3", "bonus"]
+    assert _trace(fig, "◆ copied by prompt lookup").marker.symbol == "diamond"
+    assert not [t for t in tree_figure(_fixed_outcome(), "f").data if t.name == "◆ copied by prompt lookup"]
+    tokens = emitted_tokens([_record(0, outcome)], first_id=200, first_text="r", limit=100)
+    assert [t.role for t in tokens] == ["root", "accepted", "copied", "copied", "bonus"]
+    page = text_html(tokens)
+    assert page.count("r-copied") == 2 + 1  # two tokens + the legend entry, shown only when copies exist
+    assert "r-copied" not in text_html(emitted_tokens([_record(0, _fixed_outcome())], 100, "x", 100))

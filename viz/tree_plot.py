@@ -193,6 +193,9 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
         },
         customdata=list(range(len(texts))),
     ))
+    if copied:  # a legend entry for the chain's marker
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="◆ copied by prompt lookup",
+                                 marker={"symbol": "diamond", "size": 12, "color": style.TEXT}))
     bonus_text = outcome.bonus_text if outcome.bonus_text else f"#{outcome.bonus_token}"
     fig.add_trace(go.Scatter(
         x=[bonus_x], y=[bonus_y], mode="markers+text", name="bonus token (base model)",
@@ -206,12 +209,15 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
 
     max_x = max(layout.x + [bonus_x])
     # columns beyond the tree hold only the bonus token (the base model's, not a head's)
-    column = "depth" if copied else "head"  # a lookup chain may run deeper than the heads
-    tick_text = ["root"] + [f"{column} {d}" if d <= tree.max_depth else "bonus" for d in range(1, int(max_x) + 1)]
+    # a lookup chain may run deeper than the heads: its columns are numbered by depth, compactly
+    column = "" if copied else "head "
+    tick_text = ["root"] + [f"{column}{d}" if d <= tree.max_depth else "bonus" for d in range(1, int(max_x) + 1)]
     accepted_heads = len(accepted) - 1
-    subtitle = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted_heads} head "
-                f"guess{'es' if accepted_heads != 1 else ''} accepted + bonus = {accepted_heads + 1} "
-                f"token{'s' if accepted_heads else ''}")
+    accepted_copies = sum(1 for node in accepted if node in copied)
+    source = f" ({accepted_copies} ◆ copied)" if copied else ""
+    subtitle = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted_heads} "
+                f"{'' if copied else 'head '}guess{'es' if accepted_heads != 1 else ''} accepted{source} + bonus = "
+                f"{accepted_heads + 1} token{'s' if accepted_heads else ''}")
     fig.update_layout(**style.base_layout(f"{title}<br><sup>{subtitle}</sup>", height))
     fig.update_layout(
         showlegend=True,
