@@ -31,6 +31,7 @@ from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, STRATEGIES, Deco
 from core.exactness import explain_divergence
 from core.heads import MedusaHeads, default_heads
 from core.kvcache import truncate
+from core.lookup import CHAIN_TOKENS
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.profile import CostProfile, verify_profile
 from core.sampling import SamplingConfig
@@ -42,7 +43,6 @@ PRECISIONS = ("fp32", "bf16")
 AUTO_STRATEGY = "dynamic:auto"  # the UI's "dynamic (auto budget)": dynamic + DecodeConfig.auto_budget
 LOOKUP_STRATEGY = "dynamic:auto+lookup"  # the same plus a prompt-lookup chain in every tree
 UI_STRATEGIES = (*STRATEGIES, AUTO_STRATEGY, LOOKUP_STRATEGY)
-LOOKUP_TOKENS = 10  # the chain's length, as transformers' prompt_lookup_num_tokens in the benchmark
 CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
 MAX_TEMPERATURE = 2.0
 # Prompts: refused above MAX_PROMPT_TOKENS (chat template included). 2048 keeps a session's KV cache
@@ -267,7 +267,7 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
                           max_new_tokens=settings.max_new_tokens,
                           compare_fixed=settings.compare_fixed and settings.strategy == "dynamic",
                           auto_budget=settings.auto_budget and settings.strategy == "dynamic",
-                          lookup_tokens=LOOKUP_TOKENS if settings.lookup and settings.strategy == "dynamic" else 0)
+                          lookup_tokens=CHAIN_TOKENS if settings.lookup and settings.strategy == "dynamic" else 0)
     return config, note if uses_fixed else ""
 
 

@@ -28,13 +28,13 @@ from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, decode
 from core.exactness import first_divergence, top2_gap
 from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
+from core.lookup import CHAIN_TOKENS
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree
 
 DEFAULT_STRATEGIES = "ar,fixed:mc_sim_7b_63,dynamic:63"
 PHASES = ("heads", "tree", "verify", "accept", "commit")
-LOOKUP_TOKENS = 10  # as transformers' prompt_lookup_num_tokens below
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
         size, _, extra = arg.partition("+")
         if extra not in ("", "lookup"):
             raise ValueError(f"unknown addition {extra!r} in {spec!r}: only +lookup")
-        lookup = LOOKUP_TOKENS if extra else 0
+        lookup = CHAIN_TOKENS if extra else 0
         if size == "auto":
             return replace(base_config, strategy="dynamic", budget=63, auto_budget=True, lookup_tokens=lookup)
         return replace(base_config, strategy="dynamic", budget=int(size) if size else 63, lookup_tokens=lookup)
@@ -104,7 +104,7 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
 
 @torch.inference_mode()
 def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: int) -> tuple[list[int], float]:
-    extra = {"prompt_lookup_num_tokens": LOOKUP_TOKENS} if spec == "hf:prompt_lookup" else {}
+    extra = {"prompt_lookup_num_tokens": CHAIN_TOKENS} if spec == "hf:prompt_lookup" else {}
     start = time.perf_counter()
     out = base.model.generate(torch.tensor([prompt_ids], device=base.device), max_new_tokens=max_new_tokens,
                               do_sample=False, eos_token_id=sorted(base.eos_token_ids), **extra)

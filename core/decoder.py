@@ -122,6 +122,18 @@ class TreeOutcome:
         """Tokens this tree yields: accepted head tokens + the bonus token."""
         return len(self.accepted_nodes)
 
+    @property
+    def accepted_tokens(self) -> list[int]:
+        """The accepted tokens below the root, bonus excluded."""
+        return [self.node_tokens[node] for node in self.accepted_nodes[1:]]
+
+    @property
+    def lookup_nodes(self) -> frozenset[int]:
+        """Nodes that only the prompt-lookup chain proposed (on its reserved rank)."""
+        if self.lookup_rank is None:
+            return frozenset()
+        return frozenset(i for i, path in enumerate(self.tree.paths, start=1) if self.lookup_rank in path)
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -411,7 +423,7 @@ class DecodeSession:
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
-        new_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
+        new_tokens = outcome.accepted_tokens
         self._learn(outcome, draft, chain, use_heads=use_heads)
         shown = min(self.config.top_m, 10)
         return StepRecord(
@@ -430,15 +442,14 @@ class DecodeSession:
         """Update the acceptance estimates: the lookup chain's, and (auto) the heads' per depth."""
         tree = outcome.tree
         if chain:
-            accepted_tokens = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]]
-            self.lookup_stats.update(draft, len(chain), accepted_tokens)
+            self.lookup_stats.update(draft, len(chain), outcome.accepted_tokens)
         if not (self.config.auto_budget and use_heads):
             return
-        lookup = outcome.lookup_rank
-        head_nodes = [i for i, path in enumerate(tree.paths) if lookup is None or lookup not in path]
-        accepted_by_heads = sum(1 for node in outcome.accepted_nodes[1:]
-                                if lookup is None or lookup not in tree.paths[node - 1])
-        self.calibration.update([tree.depths[i + 1] for i in head_nodes], [(tree.scores or [])[i] for i in head_nodes],
+        copied = outcome.lookup_nodes
+        head_nodes = [node for node in range(1, tree.num_nodes + 1) if node not in copied]
+        accepted_by_heads = sum(1 for node in outcome.accepted_nodes[1:] if node not in copied)
+        scores = tree.scores or [0.0] * tree.num_nodes
+        self.calibration.update([tree.depths[node] for node in head_nodes], [scores[node - 1] for node in head_nodes],
                                 accepted_by_heads)
 
 def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int],

@@ -37,10 +37,11 @@ def emitted_tokens(records: Sequence[StepRecord], first_id: int, first_text: str
     for record in records:
         outcome = record.outcome
         texts = outcome.node_texts if len(outcome.node_texts) == len(outcome.node_tokens) else None
+        copied = outcome.lookup_nodes
         for node in outcome.accepted_nodes[1:]:
             text = texts[node] if texts else f"#{outcome.node_tokens[node]}"
-            copied = outcome.lookup_rank is not None and outcome.lookup_rank in outcome.tree.paths[node - 1]
-            tokens.append(EmittedToken(text, outcome.node_tokens[node], record.index, "copied" if copied else "accepted"))
+            role = "copied" if node in copied else "accepted"
+            tokens.append(EmittedToken(text, outcome.node_tokens[node], record.index, role))
         bonus_text = outcome.bonus_text if outcome.bonus_text or texts else f"#{outcome.bonus_token}"
         tokens.append(EmittedToken(bonus_text, outcome.bonus_token, record.index, "bonus"))
     return tokens[:limit]

@@ -105,12 +105,6 @@ def _node_texts(outcome: TreeOutcome) -> list[str]:
     return [f"#{token}" for token in outcome.node_tokens]
 
 
-def _lookup_nodes(outcome: TreeOutcome) -> set[int]:
-    """Nodes of the prompt-lookup chain that are not also head guesses."""
-    rank = outcome.lookup_rank
-    return set() if rank is None else {i + 1 for i, path in enumerate(outcome.tree.paths) if rank in path}
-
-
 def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: float, joint: float,
            accepted: bool, copied: bool = False) -> str:
     if node == 0:
@@ -151,7 +145,7 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
     row_px = (height - HEADER_PX) / (layout.rows + 1)
     accepted = list(outcome.accepted_nodes)
     accepted_set = set(accepted)
-    copied = _lookup_nodes(outcome)
+    copied = outcome.lookup_nodes
     texts = _node_texts(outcome)
     marginals = _marginals(scores, parents)
     labelled = _labelled_nodes(layout, scores, accepted, row_px)
