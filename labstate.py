@@ -26,12 +26,13 @@ import torch
 from transformers import DynamicCache
 
 from core.accept import RULES, AcceptConfig
-from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, STRATEGIES, DecodeConfig, DecodeSession, StepRecord, \
+from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, STRATEGIES, DecodeConfig, DecodeSession, \
     decode, start_session
 from core.exactness import explain_divergence
 from core.heads import MedusaHeads, default_heads
 from core.kvcache import truncate
 from core.lookup import CHAIN_TOKENS
+from core.records import StepRecord
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.profile import CostProfile, verify_profile
 from core.sampling import SamplingConfig

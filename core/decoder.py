@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -26,12 +26,12 @@ from core.heads import MedusaHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.lookup import LookupDraft, LookupStats, graft_chain, lookup_draft, token_table
 from core.model import BaseModel
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP, STRATEGIES, PhaseTimes, StepRecord, TreeOutcome
 from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate, verify_profile
 from core.sampling import next_token
 from core.tree import CandidateTree, RankPath, dynamic_tree, fixed_tree, named_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
 
-STRATEGIES = ("autoregressive", "fixed", "dynamic")
 MAX_BUDGET = 256
 MAX_TOP_M = 64
 MAX_NEW_TOKENS = 1024
@@ -86,69 +86,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be between {low} and {high}, got {value}")
-
-
-@dataclass(frozen=True)
-class PhaseTimes:
-    """Wall seconds per phase of one step."""
-
-    heads: float = 0.0
-    tree: float = 0.0
-    verify: float = 0.0
-    accept: float = 0.0
-    commit: float = 0.0
-    compare: float = 0.0  # the side-by-side fixed tree (UI only)
-
-    @property
-    def total(self) -> float:
-        return self.heads + self.tree + self.verify + self.accept + self.commit
-
-
-@dataclass(frozen=True)
-class TreeOutcome:
-    """One verified tree: its nodes, what the base model accepted, and the bonus token."""
-
-    tree: CandidateTree
-    node_tokens: list[int]  # [n+1], root first
-    node_scores: list[float]  # [n+1] joint head probability, root 1.0
-    accepted_nodes: list[int]  # root first
-    bonus_token: int
-    node_texts: list[str] = field(default_factory=list)
-    bonus_text: str = ""
-    lookup_rank: int | None = None  # the rank that marks prompt-lookup nodes, if any
-
-    @property
-    def accepted_length(self) -> int:
-        """Tokens this tree yields: accepted head tokens + the bonus token."""
-        return len(self.accepted_nodes)
-
-    @property
-    def accepted_tokens(self) -> list[int]:
-        """The accepted tokens below the root, bonus excluded."""
-        return [self.node_tokens[node] for node in self.accepted_nodes[1:]]
-
-    @property
-    def lookup_nodes(self) -> frozenset[int]:
-        """Nodes that only the prompt-lookup chain proposed (on its reserved rank)."""
-        if self.lookup_rank is None:
-            return frozenset()
-        return frozenset(i for i, path in enumerate(self.tree.paths, start=1) if self.lookup_rank in path)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Everything one step did, for the UI, the benchmark and JSON traces."""
-
-    index: int
-    strategy: str  # autoregressive | fixed | dynamic | lookup (a step that verified only the lookup chain)
-    context_length: int  # tokens in the KV cache before the step
-    head_token_ids: list[list[int]]  # [K][m] each head's top-m tokens
-    head_probs: list[list[float]]  # [K][m] their (softmax) probabilities
-    outcome: TreeOutcome
-    new_tokens: list[int]  # emitted by this step (accepted head tokens + bonus, cut at EOS / limit)
-    times: PhaseTimes
-    comparison: TreeOutcome | None = None  # the fixed tree on the same head outputs and context
-    head_texts: list[list[str]] = field(default_factory=list)
 
 
 def _clock(device: torch.device) -> float:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from core.decoder import PhaseTimes, StepRecord, TreeOutcome
+from core.records import PhaseTimes, StepRecord, TreeOutcome
 from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
 from viz import style
 from viz.labels import escape, token_label, visible

@@ -9,7 +9,7 @@ from viz import style
 from viz.labels import token_label
 
 if TYPE_CHECKING:
-    from core.decoder import TreeOutcome
+    from core.records import TreeOutcome
 
 MASKED, VISIBLE, ON_PATH = 0, 1, 2
 MASK_COLORSCALE = [  # discrete: three bands over [0, 2]

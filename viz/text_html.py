@@ -11,7 +11,7 @@ from viz.labels import escape, visible
 from viz.style import STEP_CYCLE
 
 if TYPE_CHECKING:
-    from core.decoder import StepRecord
+    from core.records import StepRecord
 
 ROLES = {
     "root": "first token (root of step 0, from the prefill)",

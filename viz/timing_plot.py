@@ -11,7 +11,7 @@ from plotly.subplots import make_subplots
 from viz import style
 
 if TYPE_CHECKING:
-    from core.decoder import StepRecord
+    from core.records import StepRecord
 
 DECODE_PHASES = ("heads", "tree", "verify", "accept", "commit")
 PHASE_NAMES = {

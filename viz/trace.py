@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from core.decoder import StepRecord
+    from core.records import StepRecord
 
 TRACE_VERSION = 1
 

@@ -18,7 +18,7 @@ from viz import style
 from viz.labels import token_hover, token_label
 
 if TYPE_CHECKING:  # core is only needed for type hints
-    from core.decoder import TreeOutcome
+    from core.records import TreeOutcome
 
 ROW_PX = 17  # vertical pixels per leaf row
 LABEL_PX = 15  # two labels in one column need this much room

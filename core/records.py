@@ -1,0 +1,79 @@
+"""Step records: what one decoding step did, for the UI, the benchmark and JSON traces.
+
+Their own module so that viz/ and the benchmark depend on records, not on the decoder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.tree import CandidateTree
+
+# step kinds (StepRecord.strategy) and the decoding strategies of DecodeConfig
+AUTOREGRESSIVE = "autoregressive"
+FIXED = "fixed"
+DYNAMIC = "dynamic"
+LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (the heads skipped)
+STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC)
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Wall seconds per phase of one step."""
+
+    heads: float = 0.0
+    tree: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+    commit: float = 0.0
+    compare: float = 0.0  # the side-by-side fixed tree (UI only)
+
+    @property
+    def total(self) -> float:
+        return self.heads + self.tree + self.verify + self.accept + self.commit
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    """One verified tree: its nodes, what the base model accepted, and the bonus token."""
+
+    tree: CandidateTree
+    node_tokens: list[int]  # [n+1], root first
+    node_scores: list[float]  # [n+1] joint head probability, root 1.0
+    accepted_nodes: list[int]  # root first
+    bonus_token: int
+    node_texts: list[str] = field(default_factory=list)
+    bonus_text: str = ""
+    lookup_rank: int | None = None  # the rank that marks prompt-lookup nodes, if any
+
+    @property
+    def accepted_length(self) -> int:
+        """Tokens this tree yields: accepted head tokens + the bonus token."""
+        return len(self.accepted_nodes)
+
+    @property
+    def accepted_tokens(self) -> list[int]:
+        """The accepted tokens below the root, bonus excluded."""
+        return [self.node_tokens[node] for node in self.accepted_nodes[1:]]
+
+    @property
+    def lookup_nodes(self) -> frozenset[int]:
+        """Nodes that only the prompt-lookup chain proposed (on its reserved rank)."""
+        if self.lookup_rank is None:
+            return frozenset()
+        return frozenset(i for i, path in enumerate(self.tree.paths, start=1) if self.lookup_rank in path)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything one step did, for the UI, the benchmark and JSON traces."""
+
+    index: int
+    strategy: str  # autoregressive | fixed | dynamic | lookup (a step that verified only the lookup chain)
+    context_length: int  # tokens in the KV cache before the step
+    head_token_ids: list[list[int]]  # [K][m] each head's top-m tokens
+    head_probs: list[list[float]]  # [K][m] their (softmax) probabilities
+    outcome: TreeOutcome
+    new_tokens: list[int]  # emitted by this step (accepted head tokens + bonus, cut at EOS / limit)
+    times: PhaseTimes
+    comparison: TreeOutcome | None = None  # the fixed tree on the same head outputs and context
+    head_texts: list[list[str]] = field(default_factory=list)
