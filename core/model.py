@@ -18,7 +18,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,58 @@ def use_skinny_linears(model: nn.Module) -> int:
     return swapped
 
 
+# Families whose decoding with a tree mask is proven token-for-token equal to plain greedy
+# (tests/test_architectures.py: tiny random models of each, fixed and dynamic trees, sdpa and eager).
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "olmo2", "stablelm", "phi"})
+# Attention implementations that apply the custom 4D float mask of core/verify.py as given
+# (flash attention ignores it; flex attention expects a BlockMask).
+SUPPORTED_ATTENTION = frozenset({"sdpa", "eager"})
+# Config fields that change the logits after `lm_head` (the decoder projects with `lm_head` alone)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Raise ValueError unless `model` decodes exactly with this project's tree attention and KV commit.
+
+    Tree verification passes one additive 4D mask to every layer and the commit edits the keys
+    and values of plain DynamicCache layers in place. So a model must be of a family proven exact
+    (SUPPORTED_MODEL_TYPES), attend to every committed position in every layer (no sliding or
+    chunked windows), use an attention implementation that honours a custom mask, and produce
+    its logits by `lm_head` alone.
+    """
+    config = model.config.get_text_config(decoder=True)
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported: tree decoding is proven exact only for "
+                         f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        raise ValueError(f"{type(model).__name__} has no inner decoder at `.model`, which tree verification calls")
+    attention = model.config._attn_implementation
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(f"attention implementation {attention!r} is not supported: the tree mask is honoured only "
+                         f"by {', '.join(sorted(SUPPORTED_ATTENTION))} (load the model with attn_implementation='sdpa')")
+    _check_full_attention(config)
+    for name in LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1:
+            raise ValueError(f"{name}={value} is not supported: the decoder's logits are lm_head(hidden) alone")
+
+
+def _check_full_attention(config: PretrainedConfig) -> None:
+    """Every layer must be plain full attention with a plain DynamicCache layer."""
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    other = sorted(set(layer_types) - {"full_attention"})
+    if other:
+        window = getattr(config, "sliding_window", None)
+        raise ValueError(f"layer types {other} (sliding_window={window}) are not supported: the tree mask covers the "
+                         "whole context in every layer, so a windowed layer would attend too far; only full "
+                         "attention decodes exactly")
+    cache_layers = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    if cache_layers - {DynamicLayer.__name__}:
+        raise ValueError(f"cache layers {sorted(cache_layers)} are not supported: the KV commit edits plain "
+                         "DynamicLayer keys and values")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -189,6 +243,16 @@ def _load_default_fp32() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]
     return model, tokenizer, source
 
 
+def prepare_model(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> None:
+    """Make a loaded model ready for decoding: supported-family check, eval mode, frozen weights,
+    and (CPU fp32) the skinny linears. Raises ValueError for a model the decoder cannot run exactly."""
+    check_supported(model)
+    model.eval()
+    model.requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32:
+        use_skinny_linears(model)
+
+
 @functools.lru_cache(maxsize=4)
 def load_base_model(config: ModelConfig = ModelConfig()) -> BaseModel:
     """Load (once per config) the base model in eval mode with frozen weights."""
@@ -206,8 +270,5 @@ def load_base_model(config: ModelConfig = ModelConfig()) -> BaseModel:
             model = model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(config.name)
         source = config.name
-    model.eval()
-    model.requires_grad_(False)
-    if device.type == "cpu" and dtype == torch.float32:
-        use_skinny_linears(model)
+    prepare_model(model, device, dtype)
     return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{source}, {config.dtype}, {device}")

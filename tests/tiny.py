@@ -1,0 +1,117 @@
+"""Tiny random base models and Medusa heads, built in-process (no download, no shipped weights).
+
+    base = tiny_base("qwen2")               # a core.model.BaseModel, checked like load_base_model
+    heads = tiny_heads(base, num_heads=4)   # random non-zero heads with the model's sizes
+    plain = greedy_reference(base, prompt_ids, max_new_tokens=40)
+
+Every architecture is a 2-layer, 64-wide decoder over a 256-token byte-level vocabulary. The
+weights are drawn with a larger spread than transformers' default (initializer_range 0.1 instead
+of 0.02) so that the logits are far from ties and greedy decoding is decisive in fp32. There is
+no end-of-sequence token unless one is asked for, so a decode runs to its token limit.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+from core.heads import HeadsConfig, MedusaHeads
+from core.model import DTYPES, BaseModel, ModelConfig, prepare_model
+
+VOCAB_SIZE = 256
+INIT_RANGE = 0.1
+COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128, vocab_size=VOCAB_SIZE, initializer_range=INIT_RANGE,
+                              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# model_type -> settings on top of COMMON that make the family tiny and plain (full attention only)
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"use_sliding_window": False},
+    "qwen3": {"head_dim": 16, "use_sliding_window": False},
+    "phi3": {"sliding_window": None},
+    "gemma": {"head_dim": 16, "initializer_range": 0.3},  # at 0.1 the tied, scaled embedding echoes its input
+    "olmo2": {},
+    "stablelm": {},
+    "phi": {},
+}
+
+
+def tiny_config(arch: str = "llama", max_positions: int = 256, **overrides: Any) -> PretrainedConfig:
+    """The config of a tiny `arch` model (a model_type; families outside ARCHITECTURES get COMMON only)."""
+    settings = {**COMMON, **ARCHITECTURES.get(arch, {}), "max_position_embeddings": max_positions, **overrides}
+    return AutoConfig.for_model(arch, **settings)
+
+
+def tiny_model(arch: str = "llama", max_positions: int = 256, dtype: str = "fp32", *, seed: int = 0,
+               attn_implementation: str | None = None, **overrides: Any) -> PreTrainedModel:
+    """A random tiny causal LM in eval mode, NOT checked (refusal tests need unsupported ones too)."""
+    config = tiny_config(arch, max_positions, **overrides)
+    torch.manual_seed(seed)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    return model.to(DTYPES[dtype]).eval()
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB_SIZE, eos_token_id: int | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: ids 0..255 are the 256 bytes (GPT-2's printable alphabet), one token each;
+    ids above 255 (a larger vocabulary) are `<extra_i>` tokens. No chat template."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = [chr(c) for c in sorted(ord(ch) for ch in alphabet)]  # 256 symbols
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), vocab_size)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    if eos_token_id is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_token_id)
+    return tokenizer
+
+
+def wrap(model: PreTrainedModel, dtype: str = "fp32", name: str = "tiny") -> BaseModel:
+    """A BaseModel around an already prepared model, with the byte tokenizer."""
+    tokenizer = tiny_tokenizer(max(model.config.vocab_size, VOCAB_SIZE), model.generation_config.eos_token_id)
+    config = ModelConfig(name=name, dtype=dtype, device="cpu")
+    return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{name}, {dtype}, cpu")
+
+
+def tiny_base(arch: str = "llama", max_positions: int = 256, dtype: str = "fp32", *, seed: int = 0,
+              attn_implementation: str | None = None, **overrides: Any) -> BaseModel:
+    """A tiny random `arch` model prepared exactly as `load_base_model` prepares a loaded one
+    (supported-family check, eval, frozen, fp32 skinny linears) and wrapped as a BaseModel."""
+    model = tiny_model(arch, max_positions, dtype, seed=seed, attn_implementation=attn_implementation, **overrides)
+    prepare_model(model, torch.device("cpu"), DTYPES[dtype])
+    return wrap(model, dtype, name=f"tiny-{arch}")
+
+
+def tiny_heads(base: BaseModel, num_heads: int = 4, *, num_layers: int = 1, std: float = 0.05,
+               seed: int = 0) -> MedusaHeads:
+    """Random non-zero Medusa heads sharing `base`'s lm_head (its hidden and vocabulary sizes).
+
+    Zero-initialised heads would all copy the base model's own guess; random ones propose varied,
+    sometimes right tokens, so trees differ from step to step."""
+    config = base.model.config
+    heads = MedusaHeads(HeadsConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=config.hidden_size,
+                                    vocab_size=config.vocab_size, base_model=base.source))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in heads.heads:
+            for layer in block[:num_layers]:
+                layer.linear.weight.normal_(0.0, std, generator=generator)
+    return heads.to(base.dtype).eval().requires_grad_(False)
+
+
+def greedy_reference(base: BaseModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding by transformers' own `generate`: the new token ids."""
+    ids = torch.tensor([list(prompt_ids)], device=base.device)  # [1, n]
+    eos = sorted(base.eos_token_ids) or None
+    with torch.inference_mode():
+        out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=eos)
+    return out[0, ids.shape[1]:].tolist()
