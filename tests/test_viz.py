@@ -16,7 +16,7 @@ from viz.mask_plot import mask_figure, mask_values
 from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text_html
 from viz.timing_plot import ArBaseline, accepted_figure, cumulative_figure, phase_figure
 from viz.trace import to_jsonable, trace_dict, trace_json
-from viz.tree_plot import empty_figure, tree_figure, tree_layout
+from viz.tree_plot import empty_figure, label_boxes, tree_figure, tree_layout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,7 +144,7 @@ def test_dynamic_tree_of_256_nodes():
     labelled = [i for i, t in enumerate(nodes.text) if t]
     assert set(accepted) <= set(labelled)
     assert len(labelled) < 257  # labels are thinned where they would overlap
-    assert fig.layout.height <= 1100
+    assert fig.layout.height <= 1200
 
 
 def test_autoregressive_tree_is_root_and_bonus():
@@ -237,7 +237,7 @@ def test_text_html_escapes_and_marks_roles():
     assert "<i>bonus" not in page and "&lt;i&gt;bonus&lt;/i&gt;" in page
     assert ">&amp;amp;</span>" in page  # "&amp;" as a token is shown literally
     assert '<span class="ws">↵</span><br>' in page  # a newline token: visible and breaking
-    assert page.count("r-accepted") == 3 + 1  # three tokens + the legend
+    assert page.count("r-accepted") == 3 + 4  # three tokens + the legend's four depth marks
     assert page.count("r-bonus") == 2 + 1
     assert page.count(" sel") == 4  # the selected step's tokens
     assert 'class="tok s1 r-bonus"' in page
@@ -311,3 +311,186 @@ def test_lookup_nodes_are_diamonds_and_copied_tokens_are_marked():
     page = text_html(tokens)
     assert page.count("r-copied") == 2 + 1  # two tokens + the legend entry, shown only when copies exist
     assert "r-copied" not in text_html(emitted_tokens([_record(0, _fixed_outcome())], 100, "x", 100))
+
+
+# -- issue 14: readable at every size, the defects a new user hit ---------------------------------------
+from viz.bench_plot import bench_figure, markdown_table, result_order  # noqa: E402
+from viz.labels import sequence_texts, split_utf8, standalone_text  # noqa: E402
+from viz.tree_plot import PLOT_WIDTH_PX, TITLE_CHARS, node_texts  # noqa: E402
+from viz.verify_view import verification, verification_html  # noqa: E402
+
+EMOJI = "🙂".encode()  # F0 9F 99 82
+HAMZA = "ء".encode()  # D8 A1
+
+
+def _overlaps(fig) -> list[tuple[int, int]]:
+    boxes = label_boxes(fig)
+    return [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+
+
+def _wide_outcome(budget: int, top_m: int, depth: int, texts: str = "wide") -> TreeOutcome:
+    generator = torch.Generator().manual_seed(budget + top_m + depth)
+    probs = torch.softmax(torch.randn(depth, top_m, generator=generator), dim=-1).sort(dim=-1, descending=True).values
+    tree = dynamic_tree(probs, budget)
+    n = tree.num_nodes
+    labels = {"wide": [" internationalisation"] * (n + 1), "cjk": ["漢字漢字漢字"] * (n + 1),
+              "quote": ['"'] * (n + 1)}[texts]
+    deepest = max(range(n + 1), key=lambda i: tree.depths[i])
+    return TreeOutcome(tree=tree, node_tokens=list(range(n + 1)), node_scores=[1.0] + list(tree.scores),
+                       accepted_nodes=tree.ancestors(deepest) if n else [0], bonus_token=7,
+                       node_texts=labels, bonus_text=" a very long bonus token text")
+
+
+@pytest.mark.parametrize("budget, top_m, depth", [(1, 1, 1), (15, 8, 4), (63, 32, 4), (256, 64, 4), (256, 1, 4),
+                                                  (256, 64, 1), (40, 4, 2)])
+@pytest.mark.parametrize("texts", ["wide", "cjk"])
+def test_tree_labels_never_overlap_at_any_size(budget, top_m, depth, texts):
+    outcome = _wide_outcome(budget, top_m, depth, texts)
+    fig = tree_figure(outcome, "Step 1: Dynamic tree, auto budget: 12 of ≤ 63 nodes (top-32, depth 4) + lookup ◆ "
+                               "and a title long enough to need a second line")
+    assert _overlaps(fig) == []
+    nodes = _trace(fig, "candidate (colour = joint p)")
+    assert all(nodes.text[i] for i in outcome.accepted_nodes)  # the accepted path is always labelled
+    root = label_boxes(fig)[0]
+    assert root.left >= -fig.layout.margin.l  # the root label is never clipped on the left
+    assert all(len(line.replace("<sup>", "").replace("</sup>", "")) <= TITLE_CHARS
+               for line in fig.layout.title.text.split("<br>"))  # wrapped, never cut
+    bar = nodes.marker.colorbar
+    assert bar.lenmode == "pixels" and bar.len <= 170  # the colour bar keeps its size
+
+
+def test_lookup_chain_of_ten_is_labelled_legibly():
+    heads = [(0,), (1,), (0, 0)]
+    chain = [(0,) + (3,) * d for d in range(1, 10)]  # a ten-token chain: (0,) then nine copied nodes
+    tree = CandidateTree(paths=heads + chain, scores=[0.6, 0.3, 0.3] + [0.5 - 0.02 * d for d in range(9)],
+                         kind="dynamic")
+    n = tree.num_nodes
+    outcome = TreeOutcome(tree=tree, node_tokens=list(range(n + 1)), node_scores=[1.0] + list(tree.scores),
+                          accepted_nodes=[0, 1] + list(range(4, 4 + 9)), bonus_token=999,
+                          node_texts=[f" word{i}" for i in range(n + 1)], bonus_text="!", lookup_rank=3)
+    fig = tree_figure(outcome, "lookup")
+    nodes = _trace(fig, "candidate (colour = joint p)")
+    assert _overlaps(fig) == []
+    assert all(nodes.text[i] for i in range(4, 13))  # every diamond on the accepted chain has its label
+    assert min(nodes.marker.size[i] for i in range(4, 13)) >= 13
+    assert list(fig.layout.xaxis.ticktext)[-1] == "bonus" and _trace(fig, "bonus token (base model)").x[0] == 11
+
+
+def test_quotes_are_not_escaped_twice_in_plot_labels():
+    fig = tree_figure(_wide_outcome(15, 8, 4, "quote"), 'A "quoted" title')
+    payload = json.dumps(fig.to_plotly_json()["data"])
+    assert "&quot;" not in payload and "&#x27;" not in payload  # plotly shows entities other than & < > literally
+    assert token_label('"<a>"') == '"&lt;a&gt;"'
+
+
+def test_bonus_star_has_its_own_column_after_the_deepest_node():
+    outcome = dataclasses.replace(_fixed_outcome(), accepted_nodes=[0, 1])  # the path stops at depth 1
+    fig = tree_figure(outcome, "t")
+    assert _trace(fig, "bonus token (base model)").x[0] == 4  # depth 3 tree: bonus column 4, not head 2's column
+    assert list(fig.layout.xaxis.ticktext) == ["root", "head 1", "head 2", "head 3", "bonus"]
+
+
+def test_split_characters_show_whole_or_as_byte_pieces():
+    assert split_utf8(EMOJI[:2]) == ("", EMOJI[:2])
+    assert standalone_text(EMOJI[:2]) == "‹0xF0›‹0x9F›"
+    assert standalone_text(EMOJI[2:], pending=EMOJI[:2]) == "🙂"
+    assert standalone_text(b"\xff") == "‹0xFF›"
+    assert sequence_texts([b"a", HAMZA[:1], HAMZA[1:], EMOJI[:3]]) == [("a", False), ("", True), ("ء", False),
+                                                                      ("‹0xF0›‹0x9F›‹0x99›", False)]
+
+
+def _byte_record() -> tuple[StepRecord, dict[int, bytes]]:
+    """A step whose tokens split "ء" and "🙂" over two tokens each: ids 1-4 are the pieces."""
+    table = {0: b" hi", 1: HAMZA[:1], 2: HAMZA[1:], 3: EMOJI[:2], 4: EMOJI[2:], 5: b"!"}
+    tree = fixed_tree([[0], [1], [0, 0], [0, 1]])  # nodes: 1 (0,), 2 (1,), 3 (0,0), 4 (0,1)
+    outcome = TreeOutcome(tree=tree, node_tokens=[0, 1, 3, 2, 5], node_scores=[1.0, 0.5, 0.3, 0.4, 0.1],
+                          accepted_nodes=[0, 1, 3], bonus_token=3, node_texts=[" hi", "�", "�", "�", "!"],
+                          bonus_text="�")
+    record = StepRecord(index=0, strategy="dynamic", context_length=5, head_token_ids=[[1, 3], [2, 4]],
+                        head_probs=[[0.6, 0.3], [0.5, 0.2]], outcome=outcome, new_tokens=[1, 2, 3],
+                        times=PhaseTimes(verify=0.01), head_texts=[["�", "�"], ["�", "�"]])
+    return record, table
+
+
+def test_no_replacement_characters_where_tokens_complete_a_character():
+    record, table = _byte_record()
+    texts, bonus = node_texts(record.outcome, table)
+    assert texts == [" hi", "‹0xD8›", "‹0xF0›‹0x9F›", "ء", "!"] and bonus == "‹0xF0›‹0x9F›"
+    page = text_html(emitted_tokens([record], 0, " hi", 4, table))
+    assert "\ufffd" not in page and "ء" in page and "‹0xF0›‹0x9F›" in page
+    assert ">ء</span>" in page and " + step 1 · head 2 rank 0" in page  # the two pieces share one span
+    heads = heads_html(record, table)
+    assert "\ufffd" not in heads and "‹0xD8›" in heads
+    fig = tree_figure(record.outcome, "t", token_bytes=table)
+    assert "\ufffd" not in json.dumps(fig.to_plotly_json()["data"], ensure_ascii=False)
+
+
+def test_generated_tokens_name_their_source_and_depth():
+    records = [_record(0, _fixed_outcome()), _record(1, _lookup_outcome())]
+    tokens = emitted_tokens(records, 100, " Hello", 100)
+    assert tokens[1].source.startswith("head 1 rank 0 (joint p 0.5") and tokens[1].depth == 1
+    assert tokens[3].source.startswith("head 3 rank 0") and tokens[3].depth == 3
+    assert [t.source for t in tokens if t.role == "copied"] == ["prompt lookup, depth 2", "prompt lookup, depth 3"]
+    page = text_html(tokens)
+    assert 'r-accepted d1' in page and 'r-accepted d3' in page and "r-copied d2" in page
+    assert 'title="step 1 · head 2 rank 0' in page and "step 2 · prompt lookup, depth 3" in page
+    assert 'title="prefill' in page and "step 0" not in page  # steps count from 1 on the page
+
+
+def test_verification_view_shows_the_base_models_token_beside_the_candidates():
+    record = _record(0, _fixed_outcome())  # accepted 0 -> 1 -> 4 -> 7; node 7 has no children
+    checks = verification(record)
+    assert [c.depth for c in checks] == [1, 2, 3]
+    first = checks[0]
+    assert first.choice == NASTY[1] and first.accepted  # the base model's token after the root = node 1's
+    assert [c.matches for c in first.candidates] == [True, False, False]
+    assert sum(c.matches for c in checks[2].candidates) == 1
+    stopped = dataclasses.replace(record, outcome=dataclasses.replace(record.outcome, accepted_nodes=[0, 1]))
+    last = verification(stopped)[-1]
+    assert last.depth == 2 and not last.accepted and last.choice == "<i>bonus</i>"
+    assert not any(c.matches for c in last.candidates)
+    page = verification_html(stopped, greedy=True)
+    assert "✗ no candidate matches" in page and "&lt;i&gt;bonus&lt;/i&gt;" in page and "argmax" in page
+    assert "sampled" in verification_html(stopped, greedy=False)
+    assert "root alone" in verification_html(_record(0, _autoregressive_outcome()), greedy=True)
+
+
+def test_timing_plots_show_every_step_from_one_and_legends_stay_below():
+    records = [_record(i, _fixed_outcome(), comparison=_fixed_outcome()) for i in range(46)]
+    phases = phase_figure(records, 45)
+    steps = [t for t in phases.data if t.name == "verify (one forward)" and len(t.x) == 46][0]
+    assert list(steps.x) == list(range(1, 47))
+    assert phases.layout.xaxis2.range[0] <= 1 and phases.layout.xaxis2.range[1] >= 46
+    accepted = accepted_figure(records, 0)
+    assert list(accepted.data[0].x) == list(range(1, 47)) and accepted.layout.xaxis.range[1] >= 46
+    cumulative = cumulative_figure(records, ArBaseline(seconds_per_token=0.5))
+    end = max(x for t in cumulative.data for x in t.x if x is not None)
+    assert cumulative.layout.xaxis.range[1] >= end
+    for fig in (phases, accepted, cumulative):
+        assert fig.layout.legend.y < 0  # below the plot, never over the title
+
+
+def test_benchmark_figure_skips_missing_tokens_per_step_and_orders_mt_bench_first():
+    result = {"summary": {"ar": {"tokens_per_s": 10.0, "mean_accepted": 1.0, "speedup_vs_ar": 1.0},
+                          "dynamic:auto+lookup": {"tokens_per_s": 17.0, "mean_accepted": 2.1, "speedup_vs_ar": 1.7},
+                          "hf:prompt_lookup": {"tokens_per_s": 14.0, "mean_accepted": None, "speedup_vs_ar": 1.4}},
+              "config": {"dtype": "bf16", "prompt_count": 80}}
+    fig = bench_figure(result, "t")
+    per_step = _trace(fig, "tokens/step")
+    assert "hf:prompt_lookup" not in list(per_step.x) and "0.00" not in list(per_step.text)
+    assert all(t.cliponaxis is False for t in fig.data)
+    assert fig.layout.yaxis.range[1] >= 17.0 * 1.2
+    assert "| strategy | tokens / step |" in markdown_table(result)
+    names = ["bench_adversarial_bf16", "bench_gpu_h200_fp32", "bench_mtbench_fp32", "bench_mtbench_bf16"]
+    assert [n for n in sorted(names, key=result_order)][:2] == ["bench_mtbench_bf16", "bench_mtbench_fp32"]
+
+
+def test_speed_card_says_how_the_run_compares_with_plain_decoding():
+    page = stats_html(RunStats(tokens=40, steps=12, mean_accepted=3.2, tokens_per_s=27.0, vs_plain=1.93,
+                               vs_plain_basis="estimated from the verify-cost profile (1 token)",
+                               vs_plain_why="wins: a verify of 20 tokens costs 30 ms"))
+    assert "1.9× plain decoding (estimated)" in page and 'sub wins' in page and "This setting wins" in page
+    page = stats_html(RunStats(tokens_per_s=5.0, vs_plain=0.42, vs_plain_basis="measured plain run",
+                               vs_plain_why="loses: a verify of 64 tokens costs 90 ms against 30 ms"))
+    assert "0.42× plain decoding (measured)" in page and "speed-note loses" in page
+    assert PLOT_WIDTH_PX >= 900

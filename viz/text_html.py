@@ -1,24 +1,27 @@
-"""HTML views: the generated text coloured by step and role, the heads' guesses, running totals.
+"""HTML views: the generated text coloured by step and marked by source, the heads' guesses, running totals.
 
 Everything model- or user-supplied is HTML-escaped; styling comes from classes in assets/app.css.
+Steps are numbered from 1 wherever a user reads them (records keep core's 0-based index).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from viz.labels import escape, visible
+from core.records import LOOKUP
+from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
 from viz.style import STEP_CYCLE
 
 if TYPE_CHECKING:
     from core.records import StepRecord
 
 ROLES = {
-    "root": "first token (root of step 0, from the prefill)",
+    "root": "first token (from the prefill)",
     "accepted": "head guess accepted",
     "copied": "prompt-lookup guess accepted",
     "bonus": "bonus token (base model)",
 }
+DEPTH_MARKS = 4  # underline styles for accepted guesses at depth 1, 2, 3 and 4+
 
 
 @dataclass(frozen=True)
@@ -27,68 +30,135 @@ class EmittedToken:
 
     text: str
     token_id: int
-    step: int  # the step that emitted it; -1 for the prefill token
+    step: int  # the record index of the step that emitted it; -1 for the prefill token
     role: str  # root | accepted | copied | bonus
+    source: str = ""  # who guessed it, in words: head k rank r (joint p), lookup depth d, bonus
+    depth: int = 0  # depth in the step's tree (0: root or bonus)
+    joins_next: bool = False  # ends inside a character that the next token completes
+
+    @property
+    def step_label(self) -> str:
+        return "prefill" if self.step < 0 else f"step {self.step + 1}"
 
 
-def emitted_tokens(records: Sequence[StepRecord], first_id: int, first_text: str, limit: int) -> list[EmittedToken]:
+def _source(record: StepRecord, node: int, copied: bool) -> tuple[str, int]:
+    """Who proposed an accepted node, and its depth."""
+    outcome = record.outcome
+    path = outcome.tree.paths[node - 1]
+    if copied:
+        return f"prompt lookup, depth {len(path)}", len(path)
+    return f"head {len(path)} rank {path[-1]} (joint p {outcome.node_scores[node]:.3g})", len(path)
+
+
+def _step_tokens(record: StepRecord, texts: Sequence[str] | None) -> list[EmittedToken]:
+    outcome = record.outcome
+    copied = outcome.lookup_nodes
+    tokens = []
+    for node in outcome.accepted_nodes[1:]:
+        text = texts[node] if texts else f"#{outcome.node_tokens[node]}"
+        source, depth = _source(record, node, node in copied)
+        role = "copied" if node in copied else "accepted"
+        tokens.append(EmittedToken(text, outcome.node_tokens[node], record.index, role, source, depth))
+    bonus_text = outcome.bonus_text if outcome.bonus_text or texts else f"#{outcome.bonus_token}"
+    tokens.append(EmittedToken(bonus_text, outcome.bonus_token, record.index, "bonus",
+                               "bonus: the base model's own token after the accepted path"))
+    return tokens
+
+
+def _with_bytes(tokens: list[EmittedToken], token_bytes: TokenBytes | None) -> list[EmittedToken]:
+    """Texts from raw bytes: a character split over tokens shown whole on the token that completes it."""
+    if token_bytes is None or not all(t.token_id in token_bytes for t in tokens):
+        return tokens
+    shown = sequence_texts([token_bytes[t.token_id] for t in tokens])
+    return [EmittedToken(text, t.token_id, t.step, t.role, t.source, t.depth, joins)
+            for t, (text, joins) in zip(tokens, shown)]
+
+
+def emitted_tokens(records: Sequence[StepRecord], first_id: int, first_text: str, limit: int,
+                   token_bytes: TokenBytes | None = None) -> list[EmittedToken]:
     """Generated tokens in order, cut at `limit` (the session's output length: EOS / max tokens cut steps short)."""
-    tokens = [EmittedToken(first_text, first_id, -1, "root")]
+    tokens = [EmittedToken(first_text, first_id, -1, "root", ROLES["root"])]
     for record in records:
         outcome = record.outcome
         texts = outcome.node_texts if len(outcome.node_texts) == len(outcome.node_tokens) else None
-        copied = outcome.lookup_nodes
-        for node in outcome.accepted_nodes[1:]:
-            text = texts[node] if texts else f"#{outcome.node_tokens[node]}"
-            role = "copied" if node in copied else "accepted"
-            tokens.append(EmittedToken(text, outcome.node_tokens[node], record.index, role))
-        bonus_text = outcome.bonus_text if outcome.bonus_text or texts else f"#{outcome.bonus_token}"
-        tokens.append(EmittedToken(bonus_text, outcome.bonus_token, record.index, "bonus"))
-    return tokens[:limit]
+        tokens += _step_tokens(record, texts)
+    return _with_bytes(tokens[:limit], token_bytes)
 
 
-def _token_span(token: EmittedToken, selected_step: int | None) -> str:
-    body = escape(token.text).replace("\t", '<span class="ws">⇥</span>')
+def _body(text: str) -> str:
+    body = escape(text).replace("\t", '<span class="ws">⇥</span>')
     body = body.replace("\n", '<span class="ws">↵</span><br>')
-    if body == "":
-        body = '<span class="ws">∅</span>'
+    return body if body else '<span class="ws">∅</span>'
+
+
+def _classes(token: EmittedToken, selected_step: int | None) -> str:
     step_class = "s-pre" if token.step < 0 else f"s{token.step % STEP_CYCLE}"
+    depth = f" d{min(token.depth, DEPTH_MARKS)}" if token.depth else ""
     selected = " sel" if selected_step is not None and token.step == selected_step else ""
-    where = "prefill" if token.step < 0 else f"step {token.step}"
-    title = escape(f"{where} · {ROLES[token.role]} · id {token.token_id} · {visible(token.text)}")
-    return f'<span class="tok {step_class} r-{token.role}{selected}" title="{title}">{body}</span>'
+    return f"tok {step_class} r-{token.role}{depth}{selected}"
+
+
+def _title(token: EmittedToken) -> str:
+    return f"{token.step_label} · {token.source or ROLES[token.role]} · id {token.token_id} · {visible(token.text)}"
+
+
+def _span(group: Sequence[EmittedToken], selected_step: int | None) -> str:
+    """One span for a token, or for the tokens that together make one character (the last one's style)."""
+    last = group[-1]
+    title = " + ".join(_title(t) for t in group)
+    return f'<span class="{_classes(last, selected_step)}" title="{escape(title)}">' \
+           f'{_body("".join(t.text for t in group))}</span>'
+
+
+def _groups(tokens: Sequence[EmittedToken]) -> list[list[EmittedToken]]:
+    groups: list[list[EmittedToken]] = [[]]
+    for token in tokens:
+        groups[-1].append(token)
+        if not token.joins_next:
+            groups.append([])
+    return [g for g in groups if g]
+
+
+def _legend(tokens: Sequence[EmittedToken]) -> str:
+    copied = ('<span class="tok s0 r-copied">lookup guess accepted</span> '
+              if any(t.role == "copied" for t in tokens) else "")
+    depths = "".join(f'<span class="tok s0 r-accepted d{d}">{d}</span> ' for d in range(1, DEPTH_MARKS + 1))
+    return ('<div class="gen-legend"><span class="tok s-pre r-root">first token</span> '
+            f'<span class="depths">head guess accepted, underline by depth: {depths}</span>' + copied +
+            '<span class="tok s0 r-bonus">bonus (base model)</span> '
+            '<span class="hint">background colour = step that produced the token; hover a token for its source'
+            '</span></div>')
 
 
 def text_html(tokens: Sequence[EmittedToken], selected_step: int | None = None) -> str:
-    """The generated text, one span per token: background = step, underline = head guess, bold orange = bonus."""
-    copied = ('<span class="tok s0 r-copied">lookup guess accepted</span> '
-              if any(t.role == "copied" for t in tokens) else "")
-    legend = ('<div class="gen-legend"><span class="tok s-pre r-root">first token</span> '
-              '<span class="tok s0 r-accepted">head guess accepted</span> ' + copied +
-              '<span class="tok s0 r-bonus">bonus (base model)</span> '
-              '<span class="hint">background colour = step that produced the token; hover for details</span></div>')
+    """The generated text, one span per token: background = step, underline = head guess (style by depth),
+    dashed purple = copied by prompt lookup, bold orange = bonus. Hover names the source and the step."""
+    legend = _legend(tokens)
     if not tokens:
         return f'<div class="gen-text">{legend}<div class="gen-body empty">Press Start or Step.</div></div>'
-    spans = "".join(_token_span(token, selected_step) for token in tokens)
+    spans = "".join(_span(group, selected_step) for group in _groups(tokens))
     return f'<div class="gen-text">{legend}<div class="gen-body">{spans}</div></div>'
 
 
-def heads_html(record: StepRecord | None) -> str:
+def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None) -> str:
     """Each head's top guesses with probabilities; the guesses on the accepted path are marked ✓."""
     if record is None:
         return '<div class="heads-table empty">Each head\'s top guesses appear here after the first step.</div>'
-    if not record.head_probs and record.strategy == "lookup":
+    if not record.head_probs and record.strategy == LOOKUP:
         return ('<div class="heads-table empty">No heads in this step: the auto budget is backing off (the heads '
                 'have not paid lately), so the tree is only the prompt-lookup chain (◆).</div>')
     if not record.head_probs:
         return ('<div class="heads-table empty">No heads in this step: autoregressive decoding asks only the '
                 'base model for one token.</div>')
-    accepted_ranks = {len(path): path[-1] for path in
-                      (record.outcome.tree.paths[node - 1] for node in record.outcome.accepted_nodes[1:])}
-    texts = record.head_texts or [[f"#{t}" for t in row] for row in record.head_token_ids]
+    copied = record.outcome.lookup_nodes
+    accepted_ranks = {len(path): path[-1] for node, path in
+                      ((node, record.outcome.tree.paths[node - 1]) for node in record.outcome.accepted_nodes[1:])
+                      if node not in copied}
     header = "".join(f"<th>rank {r}</th>" for r in range(len(record.head_probs[0])))
     rows = []
-    for depth, (probs, row_texts) in enumerate(zip(record.head_probs, texts), start=1):
+    for depth, (probs, ids) in enumerate(zip(record.head_probs, record.head_token_ids), start=1):
+        fallback = record.head_texts[depth - 1] if len(record.head_texts) >= depth else []
+        row_texts = texts_from_bytes(ids[:len(probs)], token_bytes, fallback[:len(probs)])
         cells = []
         for rank, (p, text) in enumerate(zip(probs, row_texts)):
             mark = ' class="acc"' if accepted_ranks.get(depth) == rank else ""
@@ -112,19 +182,38 @@ class RunStats:
     status: str = "not started"
     check: str = ""  # the plain-greedy comparison, in words
     check_state: str = "na"  # ok | diff | pending | na
+    vs_plain: float | None = None  # tokens/s over plain decoding's
+    vs_plain_basis: str = ""  # measured plain run, or how it was estimated
+    vs_plain_why: str = ""  # wins/loses and why (verify cost of the tree against one token)
+
+
+def _speed_card(stats: RunStats) -> str:
+    if stats.vs_plain is None:
+        sub = ""
+    else:
+        kind = "measured" if stats.vs_plain_basis.startswith("measured") else "estimated"
+        state = "wins" if stats.vs_plain >= 1.0 else "loses"
+        ratio = f"{stats.vs_plain:.1f}" if stats.vs_plain >= 0.95 else f"{stats.vs_plain:.2f}"
+        sub = (f'<div class="sub {state}" title="{escape(stats.vs_plain_basis)}">{ratio}× plain '
+               f'decoding ({kind})</div>')
+    return (f'<div class="card speed"><div class="v">{stats.tokens_per_s:.1f}</div><div class="k">tokens / s</div>'
+            f'{sub}</div>')
+
+
+def _speed_note(stats: RunStats) -> str:
+    if not stats.vs_plain_why or stats.vs_plain is None:
+        return ""
+    state = "wins" if stats.vs_plain >= 1.0 else "loses"
+    return (f'<div class="speed-note {state}">This setting {escape(stats.vs_plain_why)} '
+            f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
 
 
 def stats_html(stats: RunStats) -> str:
-    """Cards with the running totals and the greedy-exactness check."""
-    cards = [
-        ("tokens", f"{stats.tokens}"),
-        ("steps", f"{stats.steps}"),
-        ("tokens / step", f"{stats.mean_accepted:.2f}"),
-        ("tokens / s", f"{stats.tokens_per_s:.1f}"),
-    ]
+    """Cards with the running totals, the speed against plain decoding and the greedy-exactness check."""
+    cards = [("tokens", f"{stats.tokens}"), ("steps", f"{stats.steps}"), ("tokens / step", f"{stats.mean_accepted:.2f}")]
     items = "".join(f'<div class="card"><div class="v">{escape(v)}</div><div class="k">{escape(k)}</div></div>'
                     for k, v in cards)
     check = (f'<div class="card check {escape(stats.check_state)}"><div class="v">{escape(stats.check)}</div>'
              f'<div class="k">vs plain greedy decoding</div></div>') if stats.check else ""
-    return (f'<div class="stats">{items}{check}<div class="card status"><div class="v">{escape(stats.status)}</div>'
-            f'<div class="k">status</div></div></div>')
+    return (f'<div class="stats">{items}{_speed_card(stats)}{check}<div class="card status"><div class="v">'
+            f'{escape(stats.status)}</div><div class="k">status</div></div></div>{_speed_note(stats)}')

@@ -1,11 +1,14 @@
-"""A verified candidate tree as a layered graph: root on the left, one column per head.
+"""A verified candidate tree as a layered graph: root on the left, one column per depth, the bonus last.
 
-Nodes are coloured and sized by their joint head probability; the accepted path is drawn
-in green (edges and node outlines) and the bonus token, the base model's own next token
-after the accepted path, is an extra orange star in a lane above the tree.
+Nodes are coloured and sized by their joint head probability; the accepted path is drawn in green
+(edges and node outlines) and the bonus token, the base model's own next token after the accepted
+path, is an orange star in its own column after the deepest node. Labels are fitted to their column
+and thinned (accepted nodes first, then by joint probability) so that no two text boxes overlap at
+the width the page gives the tree (`PLOT_WIDTH_PX`); hover shows every node.
 """
 from __future__ import annotations
 
+import html
 import math
 import textwrap
 from dataclasses import dataclass
@@ -15,26 +18,63 @@ import networkx as nx
 import plotly.graph_objects as go
 
 from viz import style
-from viz.labels import token_hover, token_label
+from viz.labels import TokenBytes, pieces, plotly_escape, shorten, text_px, token_hover, token_text, visible
 
 if TYPE_CHECKING:  # core is only needed for type hints
     from core.records import TreeOutcome
 
-ROW_PX = 17  # vertical pixels per leaf row
-LABEL_PX = 15  # two labels in one column need this much room
-MIN_HEIGHT, MAX_HEIGHT = 300, 1100
-MARGIN_TOP, MARGIN_BOTTOM = 70, 95  # title + subtitle above; axis ticks + legend below
-HEADER_PX = MARGIN_TOP + MARGIN_BOTTOM
+PLOT_WIDTH_PX = 1000  # the tree tab's plot width on a laptop or projector (the figure is responsive)
+FONT_PX = 12
+LABEL_BOX_PX = 16  # a label's height, with a little air
+ROW_PX = 18  # vertical pixels per leaf row
+MIN_PLOT_PX, MAX_HEIGHT = 220, 1200
+MARGIN_BOTTOM, MARGIN_SIDE = 95, 20
+TITLE_LINE_PX, TITLE_CHARS = 22, 90
+COLOURBAR_PX = 90  # the colour bar and its tick labels
+COLOURBAR_LEN_PX = 170
 LEGEND_GAP_PX = 32  # legend starts this far below the plot area (under the tick labels)
+LEFT_COLUMNS, RIGHT_COLUMNS = 1.0, 1.2  # x-axis room left of the root and right of the bonus
 
 
 @dataclass(frozen=True)
 class TreeLayout:
-    """Node positions: x is the depth (head), y the row (0 at the top)."""
+    """Node positions: x is the depth, y the row (0 at the top)."""
 
     x: list[float]  # [n+1]
     y: list[float]  # [n+1]
     rows: int  # leaf rows used
+
+
+@dataclass(frozen=True)
+class Box:
+    """A label's rectangle in pixels (x grows right, y grows down)."""
+
+    left: float
+    right: float
+    top: float
+    bottom: float
+
+    def overlaps(self, other: Box) -> bool:
+        return self.left < other.right and other.left < self.right and self.top < other.bottom and \
+            other.top < self.bottom
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Data coordinates to pixels for the figure as drawn at PLOT_WIDTH_PX."""
+
+    x_range: tuple[float, float]
+    y_range: tuple[float, float]  # top row value first (the axis is reversed)
+    width: float
+    height: float
+
+    def px(self, x: float, y: float) -> tuple[float, float]:
+        (x0, x1), (y0, y1) = self.x_range, self.y_range
+        return (x - x0) / (x1 - x0) * self.width, (y - y1) / (y0 - y1) * self.height
+
+    @property
+    def column_px(self) -> float:
+        return self.width / (self.x_range[1] - self.x_range[0])
 
 
 def tree_graph(parents: Sequence[int], ranks: Sequence[int]) -> nx.DiGraph:
@@ -79,30 +119,59 @@ def _log_prob(p: float) -> float:
     return max(math.log10(p), style.LOG_PROB_FLOOR) if p > 0 else style.LOG_PROB_FLOOR
 
 
-def _marker_size(p: float) -> float:
-    return 8.0 + 14.0 * (1.0 - _log_prob(p) / style.LOG_PROB_FLOOR)
+def _marker_size(p: float, copied: bool = False) -> float:
+    size = 8.0 + 14.0 * (1.0 - _log_prob(p) / style.LOG_PROB_FLOOR)
+    return max(size, 13.0) if copied else size  # a diamond needs room to read as one
 
 
-def _labelled_nodes(layout: TreeLayout, scores: Sequence[float], accepted: Sequence[int], row_px: float) -> set[int]:
-    """Nodes that get a text label: accepted ones first, then by score, never two too close in a column."""
-    min_gap = LABEL_PX / max(row_px, 1e-6)
-    order = list(accepted) + sorted((i for i in range(len(scores)) if i not in set(accepted)),
-                                    key=lambda i: -scores[i])
-    placed: dict[float, list[float]] = {}
-    chosen: set[int] = set()
+def node_texts(outcome: TreeOutcome, token_bytes: TokenBytes | None = None) -> tuple[list[str], str]:
+    """Each node's text and the bonus text: a character split over tokens is shown whole on the node that
+    completes it (its ancestors' unfinished bytes come first), unfinished bytes as ‹0xNN› pieces."""
+    tokens = list(outcome.node_tokens)
+    if token_bytes is None or not all(t in token_bytes for t in tokens + [outcome.bonus_token]):
+        texts = list(outcome.node_texts) if len(outcome.node_texts) == len(tokens) else [f"#{t}" for t in tokens]
+        return texts, outcome.bonus_text or f"#{outcome.bonus_token}"
+    parents = outcome.tree.parents
+    pending: list[bytes] = []
+    texts = []
+    for node, token in enumerate(tokens):  # parents come before children
+        text, tail = token_text(token_bytes[token], pending[parents[node]] if node else b"")
+        pending.append(tail)
+        texts.append(text + pieces(tail))
+    bonus, tail = token_text(token_bytes[outcome.bonus_token], pending[outcome.accepted_nodes[-1]])
+    return texts, bonus + pieces(tail)
+
+
+def _fit(text: str, max_px: float) -> str:
+    """The visible label, shortened with an ellipsis until it fits `max_px`."""
+    label = visible(text)
+    limit = len(label)
+    while limit > 1 and text_px(shorten(label, limit), FONT_PX) > max_px:
+        limit -= 1
+    return shorten(label, limit)
+
+
+def _label_box(frame: Frame, x: float, y: float, label: str, size: float, left: bool) -> Box:
+    px, py = frame.px(x, y)
+    width = text_px(label, FONT_PX)
+    gap = size / 2 + 3
+    horizontal = (px - gap - width, px - gap) if left else (px + gap, px + gap + width)
+    return Box(horizontal[0], horizontal[1], py - LABEL_BOX_PX / 2, py + LABEL_BOX_PX / 2)
+
+
+def _labels(frame: Frame, layout: TreeLayout, texts: Sequence[str], sizes: Sequence[float],
+            order: Sequence[int], reserved: Sequence[Box]) -> list[str]:
+    """A label for every node whose text box overlaps no other label (nodes in `order`, best first)."""
+    max_px = frame.column_px - 2 * max(sizes) / 2 - 8
+    placed = list(reserved)
+    labels = [""] * len(texts)
     for node in order:
-        column = placed.setdefault(layout.x[node], [])
-        if node in accepted or all(abs(layout.y[node] - other) >= min_gap for other in column):
-            column.append(layout.y[node])
-            chosen.add(node)
-    return chosen
-
-
-def _node_texts(outcome: TreeOutcome) -> list[str]:
-    """Token text of every node (falls back to the id when texts were not recorded)."""
-    if len(outcome.node_texts) == len(outcome.node_tokens):
-        return list(outcome.node_texts)
-    return [f"#{token}" for token in outcome.node_tokens]
+        label = _fit(texts[node], max(max_px, 3 * FONT_PX))
+        box = _label_box(frame, layout.x[node], layout.y[node], label, sizes[node], left=node == 0)
+        if not any(box.overlaps(other) for other in placed):
+            placed.append(box)
+            labels[node] = plotly_escape(label)
+    return labels
 
 
 def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: float, joint: float,
@@ -127,31 +196,65 @@ def _edge_xy(layout: TreeLayout, edges: Sequence[tuple[int, int]]) -> tuple[list
     return xs, ys
 
 
-def _height(rows: int) -> int:
-    return int(min(MAX_HEIGHT, max(MIN_HEIGHT, HEADER_PX + ROW_PX * (rows + 1))))
+def _wrap(text: str) -> list[str]:
+    """Title lines of at most TITLE_CHARS characters (a title is never cut at the figure's edge)."""
+    return textwrap.wrap(text, width=TITLE_CHARS) or [""]
 
 
-def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
+def _subtitle(outcome: TreeOutcome, note: str) -> str:
+    tree, copied = outcome.tree, outcome.lookup_nodes
+    accepted = len(outcome.accepted_nodes) - 1
+    accepted_copies = sum(1 for node in outcome.accepted_nodes if node in copied)
+    source = f" ({accepted_copies} ◆ copied)" if copied else ""
+    text = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted} "
+            f"{'' if copied else 'head '}guess{'es' if accepted != 1 else ''} accepted{source} + bonus = "
+            f"{accepted + 1} token{'s' if accepted else ''}")
+    return f"{text} · {note}" if note else text
+
+
+def _title_html(title: str, subtitle: str) -> tuple[str, int]:
+    """The title and subtitle as wrapped lines, and the number of lines."""
+    main = _wrap(title)
+    sub = _wrap(subtitle)
+    return "<br>".join(main) + "<br>" + "<br>".join(f"<sup>{line}</sup>" for line in sub), len(main) + len(sub)
+
+
+def _frame(layout: TreeLayout, bonus_x: float, plot_height: float) -> Frame:
+    width = PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX
+    return Frame(x_range=(-LEFT_COLUMNS, bonus_x + RIGHT_COLUMNS), y_range=(layout.rows - 0.4, -1.8),
+                 width=width, height=plot_height)
+
+
+def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: TokenBytes | None = None) -> go.Figure:
     """The verified tree of one step: nodes by joint probability, accepted path and bonus token highlighted.
 
-    Works for the autoregressive case (a root-only tree) and for trees of a few hundred nodes
-    (labels are thinned where they would overlap; hover shows every node).
+    `note` is added to the subtitle (why the tree is shallower than allowed, how the bonus was chosen).
+    Works for the autoregressive case (a root-only tree) and for trees of a few hundred nodes.
     """
     tree = outcome.tree
     parents, depths, ranks = tree.parents, tree.depths, _ranks(outcome)
     scores = list(outcome.node_scores)
     layout = tree_layout(parents, depths, ranks)
-    height = _height(layout.rows)
-    row_px = (height - HEADER_PX) / (layout.rows + 1)
     accepted = list(outcome.accepted_nodes)
     accepted_set = set(accepted)
     copied = outcome.lookup_nodes
-    texts = _node_texts(outcome)
+    texts, bonus_text = node_texts(outcome, token_bytes)
     marginals = _marginals(scores, parents)
-    labelled = _labelled_nodes(layout, scores, accepted, row_px)
+    sizes = [_marker_size(p, i in copied) for i, p in enumerate(scores)]
+    title_text, title_lines = _title_html(title, _subtitle(outcome, note))
+    margin_top = 20 + TITLE_LINE_PX * title_lines
+    plot_height = max(MIN_PLOT_PX, min(MAX_HEIGHT - margin_top - MARGIN_BOTTOM, ROW_PX * (layout.rows + 1.4)))
+    height = int(plot_height + margin_top + MARGIN_BOTTOM)
+    bonus_x = float(tree.max_depth + 1)  # its own column, after the deepest node
+    bonus_y = -1.0  # a lane above the tree
+    frame = _frame(layout, bonus_x, plot_height)
+    bonus_label = _fit(bonus_text, frame.column_px * RIGHT_COLUMNS - 14)
+    reserved = [_label_box(frame, bonus_x, bonus_y, bonus_label, 22, left=False)]
+    order = accepted + sorted((i for i in range(len(scores)) if i not in accepted_set), key=lambda i: -scores[i])
+    labels = _labels(frame, layout, texts, sizes, order, reserved)
 
     fig = go.Figure()
-    plain_edges = [(parents[i], i) for i in range(1, len(parents)) if not (i in accepted_set)]
+    plain_edges = [(parents[i], i) for i in range(1, len(parents)) if i not in accepted_set]
     path_edges = list(zip(accepted[:-1], accepted[1:]))
     xs, ys = _edge_xy(layout, plain_edges)
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.EDGE, "width": 1.2},
@@ -159,29 +262,26 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
     xs, ys = _edge_xy(layout, path_edges) if path_edges else ([None], [None])  # keeps the legend entry
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.ACCEPTED, "width": 5},
                              hoverinfo="skip", name="accepted path", showlegend=True))
-
-    bonus_x = layout.x[accepted[-1]] + 1
-    bonus_y = -1.0  # a lane above the tree
     fig.add_trace(go.Scatter(x=[layout.x[accepted[-1]], bonus_x], y=[layout.y[accepted[-1]], bonus_y],
                              mode="lines", line={"color": style.BONUS, "width": 3, "dash": "dot"},
                              hoverinfo="skip", showlegend=False, name="bonus edge"))
-
     fig.add_trace(go.Scatter(
         x=layout.x, y=layout.y, mode="markers+text", name="candidate (colour = joint p)",
-        text=[token_label(texts[i]) if i in labelled else "" for i in range(len(texts))],
-        textposition=["middle left"] + ["middle right"] * (len(texts) - 1),  # root label left of the fan
-        textfont={"size": 12, "color": style.TEXT},
+        text=labels, textposition=["middle left"] + ["middle right"] * (len(texts) - 1),
+        textfont={"size": FONT_PX, "color": style.TEXT}, cliponaxis=False,
         hovertext=[_hover(i, texts[i], outcome.node_tokens[i], depths[i], ranks[i], marginals[i], scores[i],
                           i in accepted_set, i in copied) for i in range(len(texts))],
         hoverinfo="text",
         marker={
-            "size": [_marker_size(p) for p in scores],
+            "size": sizes,
             "symbol": ["diamond" if i in copied else "circle" for i in range(len(texts))],
             "color": [_log_prob(p) for p in scores],
             "colorscale": style.PROB_COLORSCALE, "cmin": style.LOG_PROB_FLOOR, "cmax": 0.0,
-            "line": {"color": [style.ACCEPTED if i in accepted_set else "white" for i in range(len(texts))],
-                     "width": [3.5 if i in accepted_set else 1 for i in range(len(texts))]},
-            "colorbar": {"title": {"text": "joint p", "side": "right"}, "thickness": 12, "len": 0.6,
+            "line": {"color": [style.ACCEPTED if i in accepted_set else ("#6d28d9" if i in copied else "white")
+                               for i in range(len(texts))],
+                     "width": [3.5 if i in accepted_set else (2 if i in copied else 1) for i in range(len(texts))]},
+            "colorbar": {"title": {"text": "joint p", "side": "right"}, "thickness": 12, "lenmode": "pixels",
+                         "len": min(COLOURBAR_LEN_PX, plot_height - 10), "y": 1.0, "yanchor": "top",
                          "tickvals": [-4, -3, -2, -1, 0], "ticktext": ["≤1e-4", "0.001", "0.01", "0.1", "1"]},
             "showscale": tree.num_nodes > 0,  # a lone root has nothing to compare
         },
@@ -190,44 +290,49 @@ def tree_figure(outcome: TreeOutcome, title: str) -> go.Figure:
     if copied:  # a legend entry for the chain's marker
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="◆ copied by prompt lookup",
                                  marker={"symbol": "diamond", "size": 12, "color": style.TEXT}))
-    bonus_text = outcome.bonus_text if outcome.bonus_text else f"#{outcome.bonus_token}"
     fig.add_trace(go.Scatter(
         x=[bonus_x], y=[bonus_y], mode="markers+text", name="bonus token (base model)",
-        text=[token_label(bonus_text)], textposition="middle right",
-        textfont={"size": 13, "color": style.BONUS},
+        text=[plotly_escape(bonus_label)], textposition="middle right", cliponaxis=False,
+        textfont={"size": FONT_PX + 1, "color": style.BONUS},
         marker={"symbol": "star", "size": 22, "color": style.BONUS, "line": {"color": "white", "width": 1}},
         hovertext=[f"<b>bonus {token_hover(bonus_text)}</b> (id {outcome.bonus_token})<br>the base model's own"
                    f" next token after the accepted path;<br>it is the next step's root"],
         hoverinfo="text",
     ))
-
-    max_x = max(layout.x + [bonus_x])
-    # columns beyond the tree hold only the bonus token (the base model's, not a head's)
     # a lookup chain may run deeper than the heads: its columns are numbered by depth, compactly
     column = "" if copied else "head "
-    tick_text = ["root"] + [f"{column}{d}" if d <= tree.max_depth else "bonus" for d in range(1, int(max_x) + 1)]
-    accepted_heads = len(accepted) - 1
-    accepted_copies = sum(1 for node in accepted if node in copied)
-    source = f" ({accepted_copies} ◆ copied)" if copied else ""
-    subtitle = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted_heads} "
-                f"{'' if copied else 'head '}guess{'es' if accepted_heads != 1 else ''} accepted{source} + bonus = "
-                f"{accepted_heads + 1} token{'s' if accepted_heads else ''}")
-    fig.update_layout(**style.base_layout(f"{title}<br><sup>{subtitle}</sup>", height))
+    tick_text = ["root"] + [f"{column}{d}" for d in range(1, tree.max_depth + 1)] + ["bonus"]
+    fig.update_layout(**style.base_layout(title_text, height))
     fig.update_layout(
         showlegend=True,
-        legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": -LEGEND_GAP_PX / (height - HEADER_PX),
+        legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": -LEGEND_GAP_PX / plot_height,
                 "yanchor": "top", "font": {"size": 12}},
-        xaxis={"tickvals": list(range(int(max_x) + 1)), "ticktext": tick_text, "range": [-0.7, max_x + 1.0],
+        xaxis={"tickvals": list(range(tree.max_depth + 2)), "ticktext": tick_text, "range": list(frame.x_range),
                "showgrid": True, "gridcolor": style.GRID, "zeroline": False, "side": "bottom", "fixedrange": False},
-        yaxis={"visible": False, "range": [layout.rows - 0.4, -1.8]},  # max first: row 0 at the top
-        margin={"l": 20, "r": 10, "t": MARGIN_TOP, "b": MARGIN_BOTTOM},
+        yaxis={"visible": False, "range": list(frame.y_range)},  # max first: row 0 at the top
+        margin={"l": MARGIN_SIDE, "r": MARGIN_SIDE, "t": margin_top, "b": MARGIN_BOTTOM},
     )
     return fig
 
 
+def label_boxes(fig: go.Figure) -> list[Box]:
+    """The label boxes `tree_figure` planned (for tests: none of them overlap)."""
+    nodes = next(t for t in fig.data if t.name == "candidate (colour = joint p)")
+    x_range, y_range = fig.layout.xaxis.range, fig.layout.yaxis.range
+    margin = fig.layout.margin
+    frame = Frame(x_range=tuple(x_range), y_range=tuple(y_range),
+                  width=PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX,
+                  height=fig.layout.height - margin.t - margin.b)
+    boxes = []
+    for i, (x, y, label, size) in enumerate(zip(nodes.x, nodes.y, nodes.text, nodes.marker.size)):
+        if label:
+            boxes.append(_label_box(frame, x, y, html.unescape(label), size, left=i == 0))
+    return boxes
+
+
 def empty_figure(message: str, height: int = 300) -> go.Figure:
     """A blank figure with a centred message (before the first step, or when not applicable)."""
-    message = "<br>".join(textwrap.wrap(message, width=48))
+    message = "<br>".join(textwrap.wrap(message, width=60))
     fig = go.Figure()
     fig.update_layout(**style.base_layout("", height))
     fig.update_layout(

@@ -1,0 +1,21 @@
+"""Sizes the lab accepts (a session's memory and a CPU's patience stay bounded)."""
+from __future__ import annotations
+
+import os
+
+from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
+
+MAX_TEMPERATURE = 2.0
+# Prompts: refused above MAX_PROMPT_TOKENS (chat template included). 2048 keeps a session's KV cache
+# (46 KB/token in fp32 for SmolLM2-135M) under ~150 MB even with 1024 new tokens and a 256-node tree,
+# and a CPU prefill to a few seconds. Texts above MAX_PROMPT_CHARS are refused without tokenizing.
+MAX_PROMPT_TOKENS = int(os.environ.get("MEDUSA_LAB_MAX_PROMPT_TOKENS", "2048"))
+MAX_PROMPT_CHARS = 100_000
+MAX_CUSTOM_TREE_NODES = MAX_BUDGET
+MAX_CUSTOM_TREE_CHARS = 20_000
+MAX_DEPTH = 16  # no model here has more heads
+MAX_REFERENCES = 8  # plain-greedy runs cached per session
+STEP_LOCK_TIMEOUT_S = 120.0
+
+__all__ = ["MAX_BUDGET", "MAX_NEW_TOKENS", "MAX_TOP_M", "MAX_TEMPERATURE", "MAX_PROMPT_TOKENS", "MAX_PROMPT_CHARS",
+           "MAX_CUSTOM_TREE_NODES", "MAX_CUSTOM_TREE_CHARS", "MAX_DEPTH", "MAX_REFERENCES", "STEP_LOCK_TIMEOUT_S"]

@@ -1,0 +1,159 @@
+"""Plain decoding as the yardstick: the greedy reference run, the exactness check and the speed comparison.
+
+`compute_check` runs models (an event calls it); `greedy_check`, `ar_baseline` and `speed_vs_plain`
+only read what is stored, so drawing a view never decodes anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from core.decoder import DecodeConfig, decode
+from core.exactness import explain_divergence
+from core.profile import CostProfile
+from core.records import AUTOREGRESSIVE
+from labstate.errors import LabNotice
+from labstate.limits import MAX_REFERENCES
+from labstate.runtime import _PROFILES
+from viz.timing_plot import ArBaseline
+
+if TYPE_CHECKING:
+    from labstate.runs import Run
+    from labstate.sessions import LabState
+
+
+@dataclass
+class Reference:
+    """A plain autoregressive run of the same prompt, precision and length (the greedy yardstick)."""
+
+    output_ids: list[int]
+    step_seconds: list[float]
+    gaps: dict[int, float] = field(default_factory=dict)  # divergence position -> plain top-2 logit gap
+
+
+@dataclass(frozen=True)
+class GreedyCheck:
+    """How this run's output compares with plain greedy decoding."""
+
+    state: str  # ok | diff | pending | na
+    text: str
+    position: int | None = None
+    logit_gap: float | None = None
+
+
+@dataclass(frozen=True)
+class PlainComparison:
+    """This run's tokens/s against plain decoding's, and why it wins or loses."""
+
+    ratio: float | None  # run tokens/s over plain tokens/s; None before the first step
+    measured: bool  # True: a plain run of this prompt was timed; False: estimated
+    basis: str  # where the plain figure comes from, in words
+    why: str  # the verify cost of the trees against one token, from the profile
+
+
+def _divergence(ours: list[int], plain: list[int]) -> int | None:
+    common = min(len(ours), len(plain))
+    return next((i for i in range(common) if ours[i] != plain[i]), None)
+
+
+def reference(lab: LabState, run: Run) -> Reference:
+    """The plain greedy run for this prompt/precision/length, computed once per user and cached."""
+    key = run.reference_key
+    if key not in lab.references:
+        config = DecodeConfig(strategy=AUTOREGRESSIVE, max_new_tokens=run.settings.max_new_tokens,
+                              record_texts=False)
+        plain = decode(run.runtime.base, None, run.session.prompt_ids, config)
+        lab.references[key] = Reference(output_ids=list(plain.output_ids),
+                                        step_seconds=[r.times.total for r in plain.records])
+        while len(lab.references) > MAX_REFERENCES:
+            lab.references.popitem(last=False)
+    return lab.references[key]
+
+
+def compute_check(lab: LabState, run: Run) -> None:
+    """Run what the check needs (the plain run, the logit gap at a divergence) and store it for drawing."""
+    if not run.settings.greedy or run.settings.strategy == AUTOREGRESSIVE:
+        return
+    ref = reference(lab, run)
+    ours = list(run.session.output_ids)
+    position = _divergence(ours, ref.output_ids)
+    if position is not None and position not in ref.gaps:
+        divergence = explain_divergence(run.runtime.base, run.session.prompt_ids, ref.output_ids, ours)
+        ref.gaps[position] = divergence.logit_gap if divergence else float("nan")
+
+
+def greedy_check(lab: LabState, run: Run) -> GreedyCheck:
+    """Compare the output so far with the stored plain greedy run (pending until `compute_check` ran)."""
+    if not run.settings.greedy:
+        return GreedyCheck("na", "sampling: no single right answer")
+    if run.settings.strategy == AUTOREGRESSIVE:
+        return GreedyCheck("ok", "this is plain decoding")
+    ref = lab.references.get(run.reference_key)
+    ours = list(run.session.output_ids)
+    position = _divergence(ours, ref.output_ids) if ref is not None else None
+    if ref is None or (position is not None and position not in ref.gaps):
+        return GreedyCheck("pending", "checked when the run ends (or press Check)")
+    if position is None:
+        common = min(len(ours), len(ref.output_ids))
+        if len(ours) == len(ref.output_ids):
+            return GreedyCheck("ok", f"identical ({len(ours)} tokens)")
+        return GreedyCheck("ok", f"identical so far ({common} of {len(ref.output_ids)} tokens)")
+    gap = ref.gaps[position]
+    return GreedyCheck("diff", f"differs at token {position + 1} (plain top-2 logit gap {gap:.3g})", position, gap)
+
+
+def require_run(lab: LabState | None) -> Run:
+    """The current run, or a notice that there is none yet."""
+    if lab is None or lab.run is None:
+        raise LabNotice("Nothing to check yet: press Start or Step first.")
+    return lab.run
+
+
+def ar_baseline(lab: LabState, run: Run) -> ArBaseline:
+    """The plain run's measured times when it exists, else the one-token forward estimate."""
+    ref = lab.references.get(run.reference_key)
+    if ref is not None:
+        return ArBaseline(step_seconds=ref.step_seconds)
+    return ArBaseline(seconds_per_token=lab.forward_seconds.get(run.settings.precision))
+
+
+def _profile(run: Run) -> CostProfile | None:
+    return _PROFILES.get(str(run.runtime.base.dtype))
+
+
+def _why(run: Run, profile: CostProfile | None, winning: bool) -> str:
+    """The verify cost of this run's trees against one token, and the tokens a step yields."""
+    records = run.session.records
+    if run.settings.strategy == AUTOREGRESSIVE:
+        return "this is plain decoding"
+    if profile is None or not records:
+        return ""
+    tokens = sum(r.outcome.tree.num_nodes + 1 for r in records) / len(records)
+    per_step = run.session.tokens_per_step
+    one, tree = profile.cost(1), profile.cost(round(tokens))
+    cost = f"a verify of {tokens:.0f} tokens costs {tree:.0f} ms against {one:.0f} ms for one token ({tree / one:.1f}×)"
+    if winning:
+        return f"wins: {cost}, and a step yields {per_step:.2f} tokens"
+    advice = ("the auto budget shrinks trees that do not pay, so this should improve as it learns" if
+              run.settings.auto_budget else "try “dynamic (auto) + prompt lookup” or a smaller budget")
+    return f"loses: {cost}, but a step yields only {per_step:.2f} tokens; {advice}"
+
+
+def speed_vs_plain(lab: LabState, run: Run) -> PlainComparison:
+    """This run's decode tokens/s over plain decoding's: measured when a plain run exists, else estimated."""
+    records = run.session.records
+    seconds = sum(r.times.total for r in records)
+    emitted = max(len(run.session.output_ids) - 1, 0)  # the first token comes from the prefill
+    ref = lab.references.get(run.reference_key)
+    profile = _profile(run)
+    plain_rate, measured, basis = None, False, ""
+    if ref is not None and ref.step_seconds:
+        plain_rate, measured, basis = len(ref.step_seconds) / sum(ref.step_seconds), True, "measured plain run"
+    elif profile is not None:
+        plain_rate, basis = 1000.0 / profile.cost(1), "estimated from the verify-cost profile (1 token)"
+    elif run.settings.precision in lab.forward_seconds:
+        plain_rate, basis = 1.0 / lab.forward_seconds[run.settings.precision], "estimated from a 1-token forward"
+    if not records or seconds <= 0 or not plain_rate:
+        return PlainComparison(None, measured, basis, "")
+    ratio = (emitted / seconds) / plain_rate
+    return PlainComparison(ratio, measured, basis, _why(run, profile, ratio >= 1.0))

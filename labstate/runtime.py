@@ -1,0 +1,105 @@
+"""The shared, read-only model and heads per precision, their verify-cost profile and token bytes.
+
+Loaded once per process and never modified: everything a user changes lives in a LabState.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from core.heads import MedusaHeads, default_heads
+from core.kvcache import truncate
+from core.model import BaseModel, ModelConfig, load_base_model
+from core.profile import CostProfile, verify_profile
+from core.verify import forward_tokens
+from labstate.settings import PRECISIONS
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-ins for the 256 byte values, inverted (stand-in -> byte)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The shared, read-only model and heads for one precision."""
+
+    base: BaseModel
+    heads: MedusaHeads
+    heads_description: str
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.config.num_heads
+
+    @functools.cached_property
+    def token_bytes(self) -> dict[int, bytes]:
+        """Every token id's raw UTF-8 bytes (a byte-level token may hold part of a character)."""
+        tokenizer = self.base.tokenizer
+        ids = list(range(len(tokenizer)))
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        table = {}
+        for token_id, piece in zip(ids, pieces):
+            piece = piece or ""
+            if piece and all(char in BYTE_DECODER for char in piece):
+                table[token_id] = bytes(BYTE_DECODER[char] for char in piece)
+            else:  # special tokens and non-byte-level vocabularies: their text
+                table[token_id] = tokenizer.decode([token_id]).encode("utf-8", "replace")
+        return table
+
+
+@functools.lru_cache(maxsize=len(PRECISIONS))
+def runtime(precision: str) -> Runtime:
+    """Load (once) the base model in `precision` and heads of the same dtype and device."""
+    base = load_base_model(ModelConfig(dtype=precision))
+    config = base.model.config
+    heads, description = default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)
+    return Runtime(base=base, heads=heads, heads_description=description)
+
+
+_PROFILES: dict[str, CostProfile] = {}  # model dtype -> verify-cost profile (tests may seed it)
+_PROFILE_LOCK = threading.Lock()
+
+
+def cost_profile(rt: Runtime) -> CostProfile:
+    """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk."""
+    key = str(rt.base.dtype)
+    with _PROFILE_LOCK:  # two users starting at once measure it once
+        if key not in _PROFILES:
+            _PROFILES[key] = verify_profile(rt.base)
+        return _PROFILES[key]
+
+
+@torch.inference_mode()
+def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int = 3) -> float:
+    """Median wall time of one single-token forward over the prompt's cache (the cost of a plain step)."""
+    cache = DynamicCache()
+    context = len(prompt_ids)
+    forward_tokens(base, cache, torch.tensor(prompt_ids), torch.arange(context), None)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward_tokens(base, cache, torch.tensor(prompt_ids[-1:]), torch.tensor([context]), None)
+        if base.device.type == "cuda":
+            torch.cuda.synchronize(base.device)
+        times.append(time.perf_counter() - start)
+        truncate(cache, context)
+    return statistics.median(times)

@@ -1,0 +1,165 @@
+"""Per-user lab state, kept server-side in a bounded registry keyed by Gradio's session hash."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from labstate.errors import LabInputError, SessionExpired
+from labstate.plain import Reference
+from labstate.runs import STOPPED, Run
+
+
+@dataclass
+class LabState:
+    """Everything one user (browser tab or API client) owns. Kept in a SessionRegistry, never global."""
+
+    run: Run | None = None
+    references: OrderedDict[tuple[str, str, int], Reference] = field(default_factory=OrderedDict)
+    forward_seconds: dict[str, float] = field(default_factory=dict)  # precision -> one-token forward
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    epoch: int = 0  # bumped by Start, Stop, Reset and eviction: a running loop stops when it changes
+    last_used: float = 0.0  # SessionRegistry clock
+    active: int = 0  # handlers working on this state now (never evicted while > 0 unless idle-expired)
+    _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def interrupt(self) -> None:
+        """Make any running loop stop before its next step."""
+        with self._count_lock:
+            self.epoch += 1
+
+    def stop(self) -> None:
+        """Stop: a running loop and any step that is waiting end without stepping; the run says it stopped."""
+        self.interrupt()
+        if self.run is not None:
+            self.run.mode = STOPPED
+
+    def enter(self) -> None:
+        """A handler starts working on this state (see `active`)."""
+        with self._count_lock:
+            self.active += 1
+
+    def leave(self) -> None:
+        with self._count_lock:
+            self.active -= 1
+
+
+class SessionRegistry:
+    """Per-session LabStates keyed by Gradio's session hash, with a cap and idle expiry.
+
+    At most `max_sessions` live states; a state unused for `idle_seconds` is dropped. When a new
+    session arrives and the registry is full, the least recently used state that is not working
+    right now is evicted (idle sessions go first). Evicted keys are remembered (bounded) so that
+    their owner is told the session expired instead of silently getting a fresh one. Thread-safe.
+    """
+
+    def __init__(self, max_sessions: int = 32, idle_seconds: float = 1200.0,
+                 clock: Callable[[], float] = time.monotonic, remember_evicted: int = 4096) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.max_sessions = max_sessions
+        self.idle_seconds = idle_seconds
+        self.clock = clock
+        self._labs: OrderedDict[str, LabState] = OrderedDict()  # least recently used first
+        self._evicted: OrderedDict[str, str] = OrderedDict()  # key -> why
+        self._remember = remember_evicted
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._labs)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._labs
+
+    def get(self, key: str) -> LabState | None:
+        """The session's state (touched), None when it never had one; SessionExpired when it was dropped."""
+        with self._lock:
+            self._sweep()
+            lab = self._labs.get(key)
+            if lab is not None:
+                self._touch(key, lab)
+                return lab
+            why = self._evicted.get(key)
+        if why is not None:
+            raise SessionExpired(f"Your session expired ({why}), so its run is gone. Press **Start** to begin "
+                                 f"again.")
+        return None
+
+    def open(self, key: str) -> LabState:
+        """The session's state, created when missing (forgetting an expiry). LabInputError when full and busy."""
+        with self._lock:
+            self._sweep()
+            lab = self._labs.get(key)
+            if lab is None:
+                if len(self._labs) >= self.max_sessions:
+                    self._make_room()
+                lab = LabState()
+                self._labs[key] = lab
+                self._evicted.pop(key, None)
+            self._touch(key, lab)
+            return lab
+
+    def drop(self, key: str) -> None:
+        """Forget a session for good (its browser tab closed)."""
+        with self._lock:
+            lab = self._labs.pop(key, None)
+            self._evicted.pop(key, None)
+        if lab is not None:
+            _clear(lab)
+
+    def forget_expiry(self, key: str) -> None:
+        with self._lock:
+            self._evicted.pop(key, None)
+
+    def is_live(self, key: str, lab: LabState) -> bool:
+        with self._lock:
+            return self._labs.get(key) is lab
+
+    def touch(self, key: str, lab: LabState) -> None:
+        with self._lock:
+            if self._labs.get(key) is lab:
+                self._touch(key, lab)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"live": len(self._labs), "max": self.max_sessions, "evictions": self.evictions,
+                    "remembered_expired": len(self._evicted)}
+
+    # -- internals (self._lock held) --
+    def _make_room(self) -> None:
+        victim = next((k for k, v in self._labs.items() if v.active == 0 and not v.lock.locked()), None)
+        if victim is None:
+            raise LabInputError(f"The lab is full: {len(self._labs)} sessions are busy right now. "
+                                f"Try again in a minute.")
+        self._evict(victim, f"{self.max_sessions} sessions were open and yours was the least recently used")
+
+    def _touch(self, key: str, lab: LabState) -> None:
+        lab.last_used = self.clock()
+        self._labs.move_to_end(key)
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        for key, lab in list(self._labs.items()):
+            if now - lab.last_used <= self.idle_seconds:
+                break  # ordered by last use: the rest are fresher
+            self._evict(key, f"idle for more than {self.idle_seconds / 60:g} min")
+
+    def _evict(self, key: str, why: str) -> None:
+        lab = self._labs.pop(key)
+        self._evicted[key] = why
+        while len(self._evicted) > self._remember:
+            self._evicted.popitem(last=False)
+        self.evictions += 1
+        _clear(lab)
+
+
+def _clear(lab: LabState) -> None:
+    """Free what a dropped state holds, even if a running loop still references it."""
+    lab.interrupt()
+    lab.run = None
+    lab.references.clear()

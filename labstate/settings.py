@@ -1,0 +1,262 @@
+"""The settings panel, said once: names, defaults, checks, and the core DecodeConfig they map to.
+
+`SETTING_NAMES` is the one list of settings in UI/API order; the app builds its handlers' named
+parameters and its panel from it, and `parse_settings` reads raw values (any JSON type) by name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from core.accept import RULES, AcceptConfig
+from core.decoder import DecodeConfig
+from core.lookup import CHAIN_TOKENS
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
+from core.sampling import SamplingConfig
+from core.tree import fixed_tree, load_named_trees
+from labstate.errors import LabInputError, show
+from labstate.limits import (MAX_BUDGET, MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DEPTH, MAX_NEW_TOKENS,
+                             MAX_TEMPERATURE, MAX_TOP_M)
+
+PRECISIONS = ("fp32", "bf16")
+AUTO_STRATEGY = f"{DYNAMIC}:auto"  # dynamic + DecodeConfig.auto_budget
+LOOKUP_STRATEGY = f"{DYNAMIC}:auto+lookup"  # the same plus a prompt-lookup chain in every tree
+UI_STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, AUTO_STRATEGY, LOOKUP_STRATEGY)
+STRATEGY_LABELS = {AUTOREGRESSIVE: "autoregressive", FIXED: "fixed", DYNAMIC: "dynamic",
+                   AUTO_STRATEGY: "dynamic (auto budget)", LOOKUP_STRATEGY: "dynamic (auto) + prompt lookup"}
+STRATEGY_HELP = {
+    AUTOREGRESSIVE: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
+    FIXED: "Medusa's fixed tree: the same rank paths (the preset below) every step.",
+    DYNAMIC: "The paper's dynamic tree: every step keeps the `budget` rank paths with the highest joint head "
+             "probability.",
+    AUTO_STRATEGY: "Dynamic tree whose size is chosen every step: the node count (≤ budget) with the best expected "
+                   "tokens/s, from a verify-cost profile measured once per precision (5-10 s).",
+    LOOKUP_STRATEGY: "Auto-sized dynamic tree plus prompt lookup: the tokens that followed the text's last words "
+                     "where they appeared before join the tree as one more branch (◆).",
+}
+CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
+CUSTOM_TREE_EXAMPLE = "e.g. [[0], [1], [0, 0]]"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the settings panel controls. The defaults are the page's first run: a tree that pays on a CPU."""
+
+    strategy: str = DYNAMIC
+    budget: int = 63
+    top_m: int = 32
+    depth: int = 4
+    fixed_preset: str = "mc_sim_7b_63"
+    rule: str = "greedy"
+    temperature: float = 0.0
+    precision: str = "bf16"
+    max_new_tokens: int = 128
+    compare_fixed: bool = True
+    auto_budget: bool = True  # dynamic only: per step the node count (<= budget) with the best tokens/s
+    lookup: bool = True  # dynamic only: a prompt-lookup chain joins every tree
+    custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def ui_strategy(self) -> str:
+        """The strategy as the panel and the API name it (dynamic:auto, dynamic:auto+lookup, ...)."""
+        if self.strategy == DYNAMIC and self.lookup:
+            return LOOKUP_STRATEGY
+        if self.strategy == DYNAMIC and self.auto_budget:
+            return AUTO_STRATEGY
+        return self.strategy
+
+    @property
+    def strategy_label(self) -> str:
+        if self.strategy != DYNAMIC:
+            return self.strategy
+        label = f"dynamic (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
+        return label + " + prompt lookup" if self.lookup else label
+
+    def raw(self) -> dict[str, object]:
+        """The UI/API values, by name in SETTING_NAMES order (the inverse of `parse_settings`)."""
+        values = {name: getattr(self, name) for name in SETTING_NAMES}
+        values["strategy"] = self.ui_strategy
+        values["custom_tree"] = json.dumps([list(p) for p in self.custom_tree]) if self.custom_tree else ""
+        return values
+
+
+def _as_int(name: str, value: object, low: int, high: int) -> int:
+    """An integer setting (sliders may send 63.0); LabInputError when missing, fractional or out of range."""
+    if isinstance(value, str):  # the API may send "12"; anything else that is not a number is refused below
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise LabInputError(f"{name} must be a whole number, got {show(value)}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
+            value in (float("inf"), float("-inf")) or int(value) != value:
+        raise LabInputError(f"{name} must be a whole number, got {show(value)}")
+    if not low <= int(value) <= high:
+        raise LabInputError(f"{name} must be between {low} and {high}, got {int(value)}")
+    return int(value)
+
+
+def _as_float(name: str, value: object, low: float, high: float) -> float:
+    """A number in [low, high] (the API may send it as text)."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise LabInputError(f"{name} must be a number between {low:g} and {high:g}, got {show(value)}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= float(value) <= high:
+        raise LabInputError(f"{name} must be a number between {low:g} and {high:g}, got {show(value)}")
+    return float(value)
+
+
+def _as_bool(name: str, value: object) -> bool:
+    """True/false, 0/1, None or the words true/false."""
+    if isinstance(value, bool):
+        return value
+    if value in (0, 1, None):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise LabInputError(f"{name} must be true or false, got {show(value)}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise LabInputError(f"{name} must be one of {', '.join(choices)}, got {show(value)}")
+    return value
+
+
+def _preset(value: object) -> str:
+    presets = load_named_trees()
+    if not isinstance(value, str) or (value not in presets and value != CUSTOM_TREE):
+        raise LabInputError(f"unknown fixed tree {show(value)}; choose one of {', '.join(presets)} or {CUSTOM_TREE}")
+    return value
+
+
+# One checker per setting, in SETTING_NAMES order: raw value -> checked value.
+CHECKS: dict[str, Callable[[object], object]] = {
+    "strategy": lambda v: _choice("strategy", v, UI_STRATEGIES),
+    "budget": lambda v: _as_int("node budget", v, 1, MAX_BUDGET),
+    "top_m": lambda v: _as_int("top-m", v, 1, MAX_TOP_M),
+    "depth": lambda v: _as_int("depth", v, 1, MAX_DEPTH),
+    "fixed_preset": _preset,
+    "rule": lambda v: _choice("acceptance rule", v, tuple(RULES)),
+    "temperature": lambda v: _as_float("temperature", v, 0.0, MAX_TEMPERATURE),
+    "precision": lambda v: _choice("precision", v, PRECISIONS),
+    "max_new_tokens": lambda v: _as_int("max new tokens", v, 1, MAX_NEW_TOKENS),
+    "compare_fixed": lambda v: _as_bool("compare with the fixed tree", v),
+    "custom_tree": lambda v: v,  # read by parse_custom_tree, and only when the preset is "custom"
+}
+SETTING_NAMES: tuple[str, ...] = tuple(CHECKS)
+
+
+def parse_settings(values: Mapping[str, object]) -> Settings:
+    """Validated settings from raw UI/API values keyed by SETTING_NAMES (missing ones take the defaults).
+
+    LabInputError with a clear message for anything else. `strategy` may be "dynamic:auto" (dynamic
+    with the adaptive budget) or "dynamic:auto+lookup" (that plus a prompt-lookup chain in every tree).
+    """
+    unknown = sorted(set(values) - set(SETTING_NAMES))
+    if unknown:
+        raise LabInputError(f"unknown setting{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    raw = {**Settings().raw(), **values}
+    checked = {name: CHECKS[name](raw[name]) for name in SETTING_NAMES}
+    if checked["rule"] == "greedy" and checked["temperature"] > 0:
+        raise LabInputError("the greedy rule needs temperature 0; pick typical or speculative acceptance to sample")
+    strategy = checked.pop("strategy")
+    custom = checked.pop("custom_tree")
+    paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
+    auto = strategy in (AUTO_STRATEGY, LOOKUP_STRATEGY)
+    return Settings(strategy=DYNAMIC if auto else strategy, auto_budget=auto, lookup=strategy == LOOKUP_STRATEGY,
+                    custom_tree=paths, **checked)
+
+
+def _custom_tree_value(text: object) -> object:
+    """The JSON value in the custom-tree box (or the list itself from the API)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        raise LabInputError(f"custom tree: the box is empty; type a JSON list of rank paths, {CUSTOM_TREE_EXAMPLE}")
+    if not isinstance(text, str):
+        return text
+    if len(text) > MAX_CUSTOM_TREE_CHARS:
+        raise LabInputError(f"custom tree: the text is {len(text):,} characters; up to "
+                            f"{MAX_CUSTOM_TREE_CHARS:,} are accepted")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:
+        detail = f" ({error.msg} at line {error.lineno} column {error.colno})" if \
+            isinstance(error, json.JSONDecodeError) else ""
+        raise LabInputError(f"custom tree: not valid JSON{detail}; expected a list of rank paths, "
+                            f"{CUSTOM_TREE_EXAMPLE}") from None
+
+
+def _rank_path(number: int, path: object) -> tuple[int, ...]:
+    """One checked rank path of the custom tree."""
+    if not isinstance(path, list) or not path:
+        raise LabInputError(f"custom tree: path {number} must be a non-empty list of ranks, got {show(path)}")
+    if len(path) > MAX_DEPTH:
+        raise LabInputError(f"custom tree: path {number} is {len(path)} deep; no model here has that many heads")
+    for rank in path:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_TOP_M:
+            raise LabInputError(f"custom tree: ranks must be whole numbers from 0 to {MAX_TOP_M - 1}; "
+                                f"path {show(path)} has {show(rank)}")
+    return tuple(path)
+
+
+def parse_custom_tree(text: object) -> tuple[tuple[int, ...], ...]:
+    """Rank paths from the custom-tree box: a JSON list of non-empty lists of ranks, prefix-closed.
+
+    e.g. `[[0], [1], [0, 0]]`. Depth against the loaded heads is checked in `decode_config`.
+    """
+    value = _custom_tree_value(text)
+    if not isinstance(value, list):
+        raise LabInputError(f"custom tree must be a JSON list of rank paths ({CUSTOM_TREE_EXAMPLE}), got "
+                            f"{type(value).__name__ if not isinstance(value, dict) else 'an object'}")
+    if not value:
+        raise LabInputError(f"custom tree is empty: give at least one rank path, {CUSTOM_TREE_EXAMPLE}")
+    if len(value) > MAX_CUSTOM_TREE_NODES:
+        raise LabInputError(f"custom tree has {len(value)} paths; the lab accepts up to {MAX_CUSTOM_TREE_NODES}")
+    paths = [_rank_path(number, path) for number, path in enumerate(value, start=1)]
+    try:
+        tree = fixed_tree([list(p) for p in paths])  # core's own check: prefix-closed (every parent present)
+    except ValueError as error:
+        raise LabInputError(f"custom tree: {error}") from None
+    return tuple(tree.paths)
+
+
+def fixed_choice(preset: str, depth: int, custom: tuple[tuple[int, ...], ...] = ()) -> tuple[str | tuple, str]:
+    """The fixed tree for `depth` heads: the named preset (or the custom paths), cut at `depth` with a note."""
+    paths = custom if preset == CUSTOM_TREE else load_named_trees()[preset]
+    if max(len(p) for p in paths) <= depth:
+        return (tuple(paths) if preset == CUSTOM_TREE else preset), ""
+    kept = tuple(tuple(p) for p in paths if len(p) <= depth)
+    return kept, f"fixed tree {preset} cut to depth {depth} ({len(kept)} of {len(paths)} nodes)"
+
+
+def _check_custom_depth(settings: Settings, num_heads: int) -> None:
+    if not settings.custom_tree:
+        raise LabInputError(f"custom tree is empty: give at least one rank path, {CUSTOM_TREE_EXAMPLE}")
+    deepest = max(settings.custom_tree, key=len)
+    if len(deepest) > num_heads:
+        raise LabInputError(f"custom tree: path {list(deepest)} is {len(deepest)} deep but only {num_heads} "
+                            f"heads are loaded")
+
+
+def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str]:
+    """The core DecodeConfig for these settings, plus a note on any adjustment made."""
+    if settings.depth > num_heads:
+        raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
+    dynamic = settings.strategy == DYNAMIC
+    uses_fixed = settings.strategy == FIXED or (settings.compare_fixed and dynamic)
+    if settings.fixed_preset == CUSTOM_TREE:
+        _check_custom_depth(settings, num_heads)
+    tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
+    accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
+    config = DecodeConfig(strategy=settings.strategy, budget=settings.budget, top_m=settings.top_m,
+                          depth=settings.depth, fixed_tree=tree, accept=accept,
+                          max_new_tokens=settings.max_new_tokens, compare_fixed=settings.compare_fixed and dynamic,
+                          auto_budget=settings.auto_budget and dynamic,
+                          lookup_tokens=CHAIN_TOKENS if settings.lookup and dynamic else 0)
+    return config, note if uses_fixed else ""
