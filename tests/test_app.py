@@ -4,9 +4,11 @@ Small settings (budget 15, 16 new tokens) keep it quick on a 2-core CPU.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import socket
 import time
+import types
 import urllib.request
 
 import pytest
@@ -17,6 +19,9 @@ from gradio_client.exceptions import AppError  # noqa: E402
 import app  # noqa: E402  (builds the Blocks; launches nothing)
 import labstate  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
+from core.profile import CostProfile  # noqa: E402
+from core.records import DYNAMIC, LOOKUP, PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
+from core.tree import CandidateTree, fixed_tree  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:.*no_silent_downcasting:Warning"),
@@ -33,6 +38,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# a made-up verify-cost profile (no 5-10 s measurement in tests): one token 30 ms, 64 tokens 90 ms
+PROFILE = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], device="cpu", model="test")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def profiles():
+    saved = dict(labstate._PROFILES)
+    labstate._PROFILES.update({"torch.float32": PROFILE, "torch.bfloat16": PROFILE})
+    yield
+    labstate._PROFILES.clear()
+    labstate._PROFILES.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +107,7 @@ def test_start_step_run_matches_plain_greedy(url, plain_greedy):
     for expected_steps in (1, 2, 3):
         view = _call(client, "step", PROMPT_A)
         summary = view[OUT["summary"]]
-        assert summary["steps"] == expected_steps and summary["viewing_step"] == expected_steps - 1
+        assert summary["steps"] == expected_steps and summary["viewing_step"] == expected_steps  # from 1
     assert _plot_points(view, "tree") == 16  # root + 15 candidates
     assert _plot_points(view, "tree_compare") == 64  # mc_sim_7b_63 + root
     final, outputs = _call(client, "run", PROMPT_A)
@@ -110,7 +128,7 @@ def test_step_auto_starts_and_two_clients_keep_separate_state(url, plain_greedy)
         assert view_a[OUT["summary"]]["steps"] == step and view_a[OUT["summary"]]["prompt"] == PROMPT_A
         assert view_b[OUT["summary"]]["steps"] == step and view_b[OUT["summary"]]["prompt"] == PROMPT_B
     assert _plot_points(view_b, "tree") == 9
-    assert "dynamic strategy" in view_b[OUT["tree_compare"]]["plot"]  # comparison off: a message, no tree
+    assert "comparison is off" in view_b[OUT["tree_compare"]]["plot"]  # comparison off: a message, no tree
     final_b, _ = _call(b, "run", PROMPT_B, budget=8, compare_fixed=False)
     final_a, _ = _call(a, "run", PROMPT_A)
     assert final_a[OUT["summary"]]["output_ids"] == plain_greedy(PROMPT_A)
@@ -121,8 +139,9 @@ def test_view_past_step_and_trace(url):
     client = _client(url)
     final, _ = _call(client, "run", PROMPT_A, max_new_tokens=8)
     steps = final[OUT["summary"]]["steps"]
-    past = client.predict(step_index=0, api_name="/view")
-    assert past[OUT["summary"]]["viewing_step"] == 0
+    past = client.predict(step_index=1, api_name="/view")  # steps are numbered from 1 on the page
+    assert past[OUT["summary"]]["viewing_step"] == 1
+    assert "Step 1:" in past[OUT["tree"]]["plot"]
     assert past[OUT["summary"]]["steps"] == steps
     file = client.predict(api_name="/trace")  # a FileData dict (download_files=False)
     assert file["orig_name"].endswith(".json")
@@ -188,35 +207,159 @@ def test_run_can_be_stopped_then_stepped(url):
     (dict(fixed_preset="nope"), "unknown fixed tree"), (dict(top_m=None), "whole number"),
 ])
 def test_parse_settings_rejects_bad_values(bad, message):
-    assert labstate.parse_settings(**SETTINGS).budget == 15
+    assert labstate.parse_settings(SETTINGS).budget == 15
     with pytest.raises(labstate.LabInputError, match=message):
-        labstate.parse_settings(**{**SETTINGS, **bad})
+        labstate.parse_settings({**SETTINGS, **bad})
 
 
 def test_decode_config_cuts_deep_fixed_trees_and_rejects_missing_heads():
-    config, note = labstate.decode_config(labstate.parse_settings(**{**SETTINGS, "depth": 2}), num_heads=4)
+    config, note = labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 2}), num_heads=4)
     assert all(len(p) <= 2 for p in config.fixed_tree) and "cut to depth 2" in note
-    config, note = labstate.decode_config(labstate.parse_settings(**SETTINGS), num_heads=4)
+    config, note = labstate.decode_config(labstate.parse_settings(SETTINGS), num_heads=4)
     assert config.fixed_tree == "mc_sim_7b_63" and note == "" and config.compare_fixed
     with pytest.raises(labstate.LabInputError, match="exceeds"):
-        labstate.decode_config(labstate.parse_settings(**{**SETTINGS, "depth": 5}), num_heads=4)
+        labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 5}), num_heads=4)
+
+
+FP32_DYNAMIC = labstate.Settings(budget=8, max_new_tokens=6, compare_fixed=False, precision="fp32",
+                                 auto_budget=False, lookup=False)
 
 
 def test_greedy_check_reports_a_divergence_with_its_logit_gap():
     lab = labstate.LabState()
     with pytest.raises(labstate.LabInputError, match="prompt"):
         labstate.start_run(lab, " ", labstate.Settings())
-    run = labstate.start_run(lab, PROMPT_A, labstate.Settings(budget=8, max_new_tokens=6, compare_fixed=False))
+    run = labstate.start_run(lab, PROMPT_A, FP32_DYNAMIC)
     while not run.session.finished:
         labstate.step_run(lab, run)
     with pytest.raises(labstate.LabInputError, match="finished"):
         labstate.step_run(lab, run)
-    assert labstate.greedy_check(lab, run, compute=False).state == "pending"
-    assert labstate.greedy_check(lab, run, compute=True).state == "ok"
+    assert labstate.greedy_check(lab, run).state == "pending"
+    labstate.compute_check(lab, run)  # the event's work: the plain run
+    assert labstate.greedy_check(lab, run).state == "ok"
     assert labstate.ar_baseline(lab, run).measured
     reference = lab.references[run.reference_key]
-    reference.output_ids[3] += 1  # plant a divergence at token 3
-    check = labstate.greedy_check(lab, run, compute=False)
+    reference.output_ids[3] += 1  # plant a divergence at token 3 (the 4th token)
+    assert labstate.greedy_check(lab, run).state == "pending"  # its logit gap is not computed by drawing
+    labstate.compute_check(lab, run)
+    check = labstate.greedy_check(lab, run)
     assert check.state == "diff" and check.position == 3
     assert check.logit_gap is not None and 0 <= check.logit_gap < 1e4
-    assert "differs at token 3" in check.text
+    assert "differs at token 4" in check.text
+
+
+# -- issue 13.8: the wiring says each setting once; drawing never decodes ---------------------------------
+def test_every_settings_event_takes_the_same_named_parameters():
+    expected = ["prompt", *labstate.SETTING_NAMES, "request"]
+    for handler in (app.on_start, app.on_step, app.on_run):
+        assert list(inspect.signature(handler).parameters) == expected
+    defaults = labstate.Settings().raw()
+    assert labstate.parse_settings(defaults) == labstate.Settings()  # the page's defaults round-trip
+    api = app.demo.get_api_info()["named_endpoints"]
+    for name in ("/start", "/step", "/run"):
+        assert [p["parameter_name"] for p in api[name]["parameters"]] == expected[:-1]
+    with pytest.raises(labstate.LabInputError, match="unknown setting: colour"):
+        labstate.parse_settings({"colour": "red"})
+    assert not hasattr(labstate.SessionRegistry, "sweep")  # nothing called it
+
+
+def test_render_draws_what_is_stored_and_never_decodes(monkeypatch):
+    lab = labstate.LabState()
+    run = labstate.start_run(lab, PROMPT_A, FP32_DYNAMIC)
+    while not run.session.finished:
+        labstate.step_run(lab, run)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("render decoded something")
+
+    monkeypatch.setattr(labstate.plain, "decode", forbidden)
+    monkeypatch.setattr(labstate.plain, "explain_divergence", forbidden)
+    view = app.render(lab)
+    assert view[OUT["summary"]]["greedy_check"]["state"] == "pending"
+    monkeypatch.undo()
+    labstate.compute_check(lab, run)
+    assert app.render(lab)[OUT["summary"]]["greedy_check"]["state"] == "ok"
+
+
+def test_a_step_that_waited_through_stop_is_dropped():
+    lab = labstate.LabState()
+    run = labstate.start_run(lab, PROMPT_A, FP32_DYNAMIC)
+    epoch = lab.epoch  # the step is asked for ...
+    lab.stop()  # ... Stop comes before it gets its turn
+    assert labstate.step_run(lab, run, epoch) is None and not run.session.records
+    assert run.state == "stopped"
+    assert labstate.step_run(lab, run, lab.epoch) is not None
+
+
+# -- issue 14: first run, status, help, export, numbering --------------------------------------------------
+def test_defaults_are_the_setting_that_wins_on_a_cpu():
+    settings = labstate.Settings()
+    assert (settings.precision, settings.strategy, settings.auto_budget, settings.lookup) == ("bf16", DYNAMIC, True,
+                                                                                              True)
+    strategy = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "strategy")
+    precision = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "precision")
+    assert strategy.value == labstate.LOOKUP_STRATEGY and precision.value == "bf16"
+    assert strategy.info == labstate.STRATEGY_HELP[labstate.LOOKUP_STRATEGY]
+
+
+def test_strategy_help_text_follows_the_choice():
+    helps = {name: app.on_strategy(name).info for name in labstate.UI_STRATEGIES}
+    assert len(set(helps.values())) == len(helps)
+    assert "lookup" not in helps["fixed"].lower() and "auto" not in helps["dynamic"].lower()
+
+
+def test_queued_steps_are_kept_and_export_is_cleared_on_restart():
+    fns = list(app.demo.fns.values())
+    step = next(fn for fn in fns if fn.name == "on_step")
+    assert step.trigger_mode == "multiple"  # Step clicks during a step are queued, not dropped
+    clears = [fn for fn in fns if fn.name == "_clear_trace"]
+    assert len(clears) == 2 and all(fn.outputs[0].elem_id == "trace-file" for fn in clears)
+    status = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "status")
+    assert status.label != "status"  # Gradio's i18n has a "status" group: the console warned about it
+
+
+def _lookup_step_record() -> StepRecord:
+    chain = CandidateTree(paths=[(32,), (32, 32)], scores=[0.5, 0.4], kind="dynamic")
+    outcome = TreeOutcome(tree=chain, node_tokens=[1, 2, 3], node_scores=[1.0, 0.5, 0.4], accepted_nodes=[0, 1],
+                          bonus_token=4, node_texts=["a", "b", "c"], bonus_text="d", lookup_rank=32)
+    return StepRecord(index=4, strategy=LOOKUP, context_length=30, head_token_ids=[], head_probs=[],
+                      outcome=outcome, new_tokens=[2, 4], times=PhaseTimes(verify=0.01))
+
+
+def test_comparison_and_tree_notes_say_what_happened():
+    run = types.SimpleNamespace(settings=labstate.parse_settings({**SETTINGS, "strategy": labstate.LOOKUP_STRATEGY}))
+    figure = app._comparison(run, _lookup_step_record(), {})
+    message = figure.layout.annotations[0].text.replace("<br>", " ")
+    assert "skipped the heads" in message and "step 5" in message and "dynamic strategy" not in message
+    shallow = StepRecord(index=0, strategy=DYNAMIC, context_length=9, head_token_ids=[], head_probs=[],
+                         outcome=TreeOutcome(tree=fixed_tree([[0], [0, 0], [0, 0, 0]]), node_tokens=[1, 2, 3, 4],
+                                             node_scores=[1.0, 0.5, 0.2, 0.1], accepted_nodes=[0], bonus_token=5),
+                         new_tokens=[5], times=PhaseTimes())
+    assert "deepest node at depth 3 of 4 allowed" in app._depth_note(run, shallow)
+    sampled = types.SimpleNamespace(settings=labstate.parse_settings({**SETTINGS, "rule": "speculative",
+                                                                      "temperature": 0.7}))
+    assert "residual" in app._bonus_note(sampled) and app._bonus_note(run) == ""
+
+
+def test_status_and_speed_through_the_api(url):
+    client = _client(url)
+    view = _call(client, "start", PROMPT_B, max_new_tokens=60)
+    assert view[OUT["summary"]]["state"] == "ready: press Step" and "running" not in view[OUT["stats"]]
+    view = _call(client, "step", PROMPT_B, max_new_tokens=60)
+    assert view[OUT["summary"]]["state"].startswith("paused after step 1")
+    assert "× plain decoding (estimated)" in view[OUT["stats"]]
+    assert view[OUT["summary"]]["vs_plain_basis"].startswith("estimated")
+    assert "depth 1" in view[OUT["verify"]] or "root alone" in view[OUT["verify"]]
+    job = client.submit(PROMPT_B, **{**SETTINGS, "max_new_tokens": 60}, api_name="/run")
+    deadline = time.time() + 120
+    while len(job.outputs()) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    stopped = client.predict(api_name="/stop")  # waits for the step in flight, then draws the run as it is
+    steps = stopped[OUT["summary"]]["steps"]
+    assert stopped[OUT["summary"]]["state"] == f"stopped after step {steps}"
+    time.sleep(2.0)
+    later = client.predict(step_index=steps, api_name="/view")
+    assert later[OUT["summary"]]["steps"] == steps  # nothing ran after Stop
+    checked = client.predict(api_name="/check")
+    assert checked[OUT["summary"]]["steps"] == steps and checked[OUT["summary"]]["vs_plain_basis"] == \
+        "measured plain run"
