@@ -2,7 +2,8 @@
 
 Never downloads a browser: skipped when /usr/bin/chromium or playwright is missing.
 Timings (launch -> first tree, Step click -> updated figures) are printed and written to
-tmp_path/timings.json.
+tmp_path/timings.json. Screenshots of the main views go to tmp_path, or to the folder named by
+MEDUSA_LAB_SCREENSHOTS (assets/screenshots/ in the repository was made that way).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync"]
 SERVER_START_TIMEOUT_S = 240
 UI_TIMEOUT_MS = 180_000
+ARABIC_PROMPT = 'اكتب جملة قصيرة عن القمر 🌙 وقل "مرحبا" 👋🏽'
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 pytestmark = [pytest.mark.timeout(600),
@@ -35,6 +37,20 @@ TREE_POINTS_JS = """(minimum) => {
 TREE_TITLE_JS = """(text) => {
   const title = document.querySelector('#tree-plot .js-plotly-plot .gtitle');
   return !!title && title.textContent.includes(text);
+}"""
+STEPS_JS = """(count) => {
+  const value = document.querySelectorAll('#stats .card .v')[1];
+  return !!value && value.textContent.trim() === String(count);
+}"""
+# every rendered node label of the tree plot as a box, plus the plot area and the title's box
+LABEL_BOXES_JS = """(selector) => {
+  const plot = document.querySelector(selector + ' .js-plotly-plot');
+  const texts = [...plot.querySelectorAll('.scatterlayer .textpoint text')].filter(t => t.textContent.trim());
+  const box = (r) => ({left: r.left, right: r.right, top: r.top, bottom: r.bottom});
+  const svg = plot.querySelector('svg.main-svg').getBoundingClientRect();
+  const title = plot.querySelector('.gtitle');
+  return {labels: texts.map(t => ({text: t.textContent, ...box(t.getBoundingClientRect())})), svg: box(svg),
+          title: title ? box(title.getBoundingClientRect()) : null};
 }"""
 
 
@@ -80,48 +96,177 @@ def server(tmp_path_factory):
             process.kill()
 
 
-@pytest.fixture()
-def page():
+@pytest.fixture(scope="module")
+def browser():
     with playwright_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1600, "height": 1000})
-        yield context.new_page()
-        browser.close()
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
 
 
-def test_step_renders_tree_text_and_timing(server, page, tmp_path):
+@pytest.fixture()
+def page(browser, server):
+    """A fresh tab (its own lab session) on the app; its console messages are kept in `page.console`."""
+    context = browser.new_context(viewport={"width": 1600, "height": 1000})
+    tab = context.new_page()
+    tab.console = []
+    tab.on("console", lambda message: tab.console.append(message.text))
+    tab.goto(server[0])
+    tab.locator("#step-btn").wait_for()
+    yield tab
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("MEDUSA_LAB_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _set_number(page, elem_id: str, value: int) -> None:
+    """Type into a slider's number box and commit it."""
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def _step(page, count: int) -> None:
+    page.locator("#step-btn").click()
+    page.wait_for_function(STEPS_JS, arg=count, timeout=UI_TIMEOUT_MS)
+
+
+def _steps(page) -> int:
+    return int(page.locator("#stats .card .v").nth(1).inner_text())
+
+
+def _overlapping(boxes: list[dict], slack: float = 1.0) -> list[tuple[str, str]]:
+    pairs = []
+    for i, a in enumerate(boxes):
+        for b in boxes[:i]:
+            if a["left"] + slack < b["right"] and b["left"] + slack < a["right"] and \
+                    a["top"] + slack < b["bottom"] and b["top"] + slack < a["bottom"]:
+                pairs.append((a["text"], b["text"]))
+    return pairs
+
+
+def _check_tree_readable(page, selector: str = "#tree-plot") -> int:
+    """No two rendered labels overlap, none leaves the figure, the title fits; returns the label count."""
+    found = page.evaluate(LABEL_BOXES_JS, selector)
+    labels, svg = found["labels"], found["svg"]
+    assert labels, "no labels drawn"
+    assert _overlapping(labels) == []
+    assert all(svg["left"] - 1 <= b["left"] and b["right"] <= svg["right"] + 1 for b in labels)
+    assert found["title"] is None or found["title"]["right"] <= svg["right"] + 1
+    return len(labels)
+
+
+def test_step_renders_tree_text_and_timing(server, page, shots, tmp_path):
     url, launched = server
-    page.goto(url)
     prompt = page.get_by_label("Prompt", exact=True)
     prompt.fill("Say hello to <b>bold</b> people <script>window.__pwned = 1</script> 🙂")
     page.locator("#step-btn").click()
-    page.wait_for_function(TREE_POINTS_JS, arg=3, timeout=UI_TIMEOUT_MS)  # root, a candidate, the bonus
+    page.wait_for_function(TREE_POINTS_JS, arg=2, timeout=UI_TIMEOUT_MS)  # root and the bonus at least
     first_tree_s = time.perf_counter() - launched
-    page.wait_for_function(TREE_TITLE_JS, arg="Step 0", timeout=UI_TIMEOUT_MS)
+    page.wait_for_function(TREE_TITLE_JS, arg="Step 1", timeout=UI_TIMEOUT_MS)  # steps count from 1
 
-    # the generated text: the first token and step 0's tokens, with a bonus token, all escaped
+    # the generated text: the first token and step 1's tokens, with a bonus token, all escaped
     assert page.locator("#gen-text .gen-body .tok").count() >= 2
     assert page.locator("#gen-text .gen-body .r-bonus").count() >= 1
     assert page.evaluate("() => window.__pwned") is None
     assert page.locator("#gen-text script").count() == 0
-    # the accepted path and the bonus star are drawn; the stats show one step
     assert page.locator("#tree-plot .legendtext", has_text="accepted path").count() == 1
     assert page.locator("#tree-plot .legendtext", has_text="bonus token").count() == 1
     assert page.locator("#stats .card .v").nth(1).inner_text() == "1"
+    assert "plain decoding" in page.locator("#stats .card.speed").inner_text()  # the default run says how it compares
 
     clicked = time.perf_counter()
-    page.locator("#step-btn").click()
-    page.wait_for_function(TREE_TITLE_JS, arg="Step 1", timeout=UI_TIMEOUT_MS)
+    _step(page, 2)
+    page.wait_for_function(TREE_TITLE_JS, arg="Step 2", timeout=UI_TIMEOUT_MS)
     step_s = time.perf_counter() - clicked
-    assert page.locator("#stats .card .v").nth(1).inner_text() == "2"
-    assert page.locator("#gen-text .gen-body .tok.s1").count() >= 1  # step 1's tokens, step 1's colour
+    assert page.locator("#gen-text .gen-body .tok.s1").count() >= 1  # step 2's tokens, step 2's colour
+    _step(page, 3)
+    page.screenshot(path=str(shots / "lab_main.png"), full_page=False)
+    page.locator("#verify").screenshot(path=str(shots / "verification.png"))
 
     page.get_by_role("tab", name="Attention mask").click()
     page.wait_for_function("() => !!document.querySelector('#mask-plot .js-plotly-plot .heatmaplayer')",
                            timeout=UI_TIMEOUT_MS)
-    page.get_by_role("tab", name="Trees: dynamic vs fixed").click()
-    page.screenshot(path=str(tmp_path / "lab.png"), full_page=True)
+    page.locator("#mask-plot").screenshot(path=str(shots / "attention_mask.png"))
+    page.get_by_role("tab", name="Timing").click()
+    page.wait_for_function("() => !!document.querySelector('#cumulative-plot .js-plotly-plot .scatterlayer')",
+                           timeout=UI_TIMEOUT_MS)
+    page.locator("#phase-plot").screenshot(path=str(shots / "timing.png"))
+    page.get_by_role("tab", name="Benchmarks").click()
+    first_result = page.locator(".bench-table").first
+    first_result.wait_for()
+    assert "mtbench" in first_result.inner_text()  # MT-Bench results come first
+    first_result.scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / "benchmarks.png"), full_page=False)
     timings = {"launch_to_first_tree_s": round(first_tree_s, 2), "step_click_to_figures_s": round(step_s, 2)}
     (tmp_path / "timings.json").write_text(json.dumps(timings))
-    print(f"\nbrowser timings: {timings}; screenshot {tmp_path / 'lab.png'}")
-    assert (tmp_path / "lab.png").stat().st_size > 10_000
+    print(f"\nbrowser timings: {timings}; screenshots in {shots}")
+    assert not [m for m in page.console if "must be of type" in m]  # the i18n warning about "status"
+
+
+@pytest.mark.parametrize("budget, top_m, name", [(4, 2, "small"), (256, 64, "large")])
+def test_tree_labels_do_not_overlap_at_small_and_large_sizes(page, shots, budget, top_m, name):
+    page.get_by_label("dynamic", exact=True).check()
+    _set_number(page, "budget", budget)
+    _set_number(page, "top-m", top_m)
+    _set_number(page, "max-new", 40)
+    page.get_by_label("Prompt", exact=True).fill("List five colours of the rainbow, one per line.")
+    _step(page, 1)
+    page.wait_for_function(TREE_POINTS_JS, arg=budget + 1, timeout=UI_TIMEOUT_MS)
+    labels = _check_tree_readable(page)
+    _check_tree_readable(page, "#tree-compare-plot")
+    if name == "large":
+        assert labels < budget  # thinned: the rest are on hover
+        page.locator("#tree-plot").screenshot(path=str(shots / "tree_256_nodes.png"))
+
+
+def test_arabic_and_emoji_show_whole_characters_and_no_entities(page, shots):
+    page.get_by_label("Prompt", exact=True).fill(ARABIC_PROMPT)
+    _set_number(page, "max-new", 24)
+    for count in (1, 2, 3, 4):
+        _step(page, count)
+    views = {selector: page.locator(selector).inner_text() for selector in ("#gen-text", "#heads", "#verify")}
+    views["tree"] = page.evaluate("() => [...document.querySelectorAll('#tree-plot svg text')]"
+                                  ".map(t => t.textContent).join(' ')")
+    for name, text in views.items():
+        assert "\ufffd" not in text, name
+        assert "&quot;" not in text and "&#x27;" not in text, name
+    hover = page.locator("#gen-text .gen-body .tok").nth(1).get_attribute("title")
+    assert "step " in hover and ("head" in hover or "bonus" in hover or "lookup" in hover)
+    page.locator("#gen-text").screenshot(path=str(shots / "text_arabic_emoji.png"))
+
+
+def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
+    page.get_by_label("Prompt", exact=True).fill("Count from 1 to 200, one number per line.")
+    _set_number(page, "max-new", 300)
+    page.locator("#start-btn").click()
+    page.wait_for_function("() => document.querySelector('#stats').textContent.includes('ready: press Step')",
+                           timeout=UI_TIMEOUT_MS)  # not "running" while it waits for Step
+    for _ in range(3):  # a burst of Step clicks: each one is queued, none dropped
+        page.locator("#step-btn").click()
+    page.wait_for_function(STEPS_JS, arg=3, timeout=UI_TIMEOUT_MS)
+    page.locator("#run-btn").click()
+    page.wait_for_function("() => Number(document.querySelectorAll('#stats .card .v')[1].textContent) >= 6",
+                           timeout=UI_TIMEOUT_MS)
+    for _ in range(2):
+        page.locator("#step-btn").click()  # queued behind the run: Stop must drop these too
+    page.locator("#stop-btn").click()
+    page.wait_for_function("() => document.querySelector('#stats').textContent.includes('stopped after step')",
+                           timeout=UI_TIMEOUT_MS)
+    stopped = _steps(page)
+    page.wait_for_timeout(4000)
+    assert _steps(page) == stopped
+    box = page.locator("#step-slider input[type=number]")
+    box.fill("2")
+    box.press("Enter")
+    page.wait_for_function(TREE_TITLE_JS, arg="Step 2:", timeout=UI_TIMEOUT_MS)
+    assert _steps(page) == stopped  # revisiting draws the same run: nothing ran after Stop
+    page.locator("#step-btn").click()  # and Step goes on from there, once
+    page.wait_for_function(STEPS_JS, arg=stopped + 1, timeout=UI_TIMEOUT_MS)
+    page.wait_for_timeout(3000)
+    assert _steps(page) == stopped + 1

@@ -105,11 +105,11 @@ def verification_html(record: StepRecord | None, greedy: bool, token_bytes: Toke
         shown = sorted(check.candidates, key=lambda c: (not c.matches, -c.probability))[:max_candidates]
         more = len(check.candidates) - len(shown)
         extra = f' <span class="more">+{more} more ✗</span>' if more > 0 else ""
-        verdict = ("✓ accepted: the path goes on" if check.accepted else
-                   "✗ no candidate matches: the path stops; the base model's token is the bonus")
+        verdict = ("✓ a candidate matches: the path goes on" if check.accepted else
+                   "✗ no candidate matches: the path stops here and the base model's token becomes the bonus")
         rows.append(f'<tr class="{"ok" if check.accepted else "stop"}"><th>depth {check.depth}</th>'
                     f'<td><code>{escape(visible(check.parent))}</code></td>'
                     f'<td><code class="choice">{escape(visible(check.choice))}</code></td>'
-                    f'<td>{"".join(_cell(c) for c in shown)}{extra}</td><td>{verdict}</td></tr>')
+                    f'<td>{"".join(_cell(c) for c in shown)}{extra}</td><td class="verdict">{verdict}</td></tr>')
     return (f'<div class="verify"><table><thead><tr><th></th><th>after</th><th>{who}</th><th>candidates there</th>'
             f'<th></th></tr></thead><tbody>{"".join(rows)}</tbody></table></div>')
