@@ -4,8 +4,8 @@
         --strategies ar,fixed:mc_sim_7b_63,fixed:calibrated,dynamic:64 --dtype fp32 --out results.json
 
 Strategy specs: `ar` (our autoregressive loop over the same stepping API), `fixed:<tree name or
-JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, either with `+lookup` (a
-prompt-lookup chain joins the tree), `hf:greedy` (transformers' generate) and
+JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, each with `+lookup` (a
+prompt-lookup chain joins the tree) and/or `+store` (datastore branches, `core.datastore`), `hf:greedy` (transformers' generate) and
 `hf:prompt_lookup` (generate with prompt-lookup decoding). `fixed` / `dynamic` alone mean the
 defaults. Every ratio is against `ar` measured in the same run, same precision.
 """
@@ -26,9 +26,11 @@ from tqdm import tqdm
 
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, decode
-from core.exactness import first_divergence, top2_gap
+from core.exactness import divergence_from_margins, plain_margins
 from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
+from core.datastore import STORE_TOKENS
 from core.lookup import CHAIN_TOKENS
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree
@@ -80,25 +82,27 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
     """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers."""
     kind, _, arg = spec.partition(":")
     if kind == "ar":
-        return replace(base_config, strategy="autoregressive")
+        return replace(base_config, strategy=AUTOREGRESSIVE)
     if kind == "fixed":
         name = arg or "mc_sim_7b_63"
         if name.endswith(".json"):
             choices = json.loads(Path(name).read_text())
             fixed_tree(choices)  # validate early
-            return replace(base_config, strategy="fixed", fixed_tree=tuple(tuple(p) for p in choices))
-        return replace(base_config, strategy="fixed", fixed_tree=name)
+            return replace(base_config, strategy=FIXED, fixed_tree=tuple(tuple(p) for p in choices))
+        return replace(base_config, strategy=FIXED, fixed_tree=name)
     if kind == "dynamic":
-        size, _, extra = arg.partition("+")
-        if extra not in ("", "lookup"):
-            raise ValueError(f"unknown addition {extra!r} in {spec!r}: only +lookup")
-        lookup = CHAIN_TOKENS if extra else 0
+        size, *extras = arg.split("+")
+        unknown = set(extras) - {"lookup", "store"}
+        if unknown:
+            raise ValueError(f"unknown addition {sorted(unknown)} in {spec!r}: only +lookup and +store")
+        chains = dict(lookup_tokens=CHAIN_TOKENS if "lookup" in extras else 0,
+                      store_tokens=STORE_TOKENS if "store" in extras else 0)
         if size == "auto":
-            return replace(base_config, strategy="dynamic", budget=63, auto_budget=True, lookup_tokens=lookup)
-        return replace(base_config, strategy="dynamic", budget=int(size) if size else 63, lookup_tokens=lookup)
+            return replace(base_config, strategy=DYNAMIC, budget=63, auto_budget=True, **chains)
+        return replace(base_config, strategy=DYNAMIC, budget=int(size) if size else 63, **chains)
     if kind == "hf" and arg in ("greedy", "prompt_lookup"):
         return spec
-    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>[+lookup], dynamic:auto[+lookup], "
+    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>[+lookup][+store], dynamic:auto[+lookup][+store], "
                      "hf:greedy, hf:prompt_lookup")
 
 
@@ -112,13 +116,14 @@ def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: in
 
 
 def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, strategy: DecodeConfig | str,
-            max_new_tokens: int) -> BenchRow:
+            max_new_tokens: int) -> tuple[BenchRow, list[tuple[float, float]] | None]:
+    """One prompt with one strategy; plain runs also return their top-2 logits per token."""
     prompt_ids = base.chat_ids(prompt.text)
     if isinstance(strategy, str):
         output, seconds = run_hf(base, prompt_ids, strategy, max_new_tokens)
         return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(output), steps=len(output),
                         mean_accepted=float("nan"), seconds=seconds, tokens_per_s=len(output) / seconds,
-                        phase_seconds={}, output_ids=output)
+                        phase_seconds={}, output_ids=output), None
     start = time.perf_counter()
     session = decode(base, heads, prompt_ids, strategy)
     seconds = time.perf_counter() - start
@@ -128,7 +133,8 @@ def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, stra
     return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(session.output_ids), steps=steps,
                     mean_accepted=session.tokens_per_step, seconds=seconds,
                     tokens_per_s=len(session.output_ids) / seconds, phase_seconds=phases,
-                    output_ids=session.output_ids)
+                    output_ids=session.output_ids), \
+        plain_margins(session) if strategy.strategy == AUTOREGRESSIVE else None
 
 
 def summarise(rows: list[BenchRow], specs: list[str]) -> dict:
@@ -167,16 +173,18 @@ def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs:
     rows: list[BenchRow] = []
     with tqdm(total=len(prompts) * len(specs), desc="bench") as bar:
         for prompt in prompts:
-            mine = {spec: run_one(base, heads, prompt, spec, strategies[spec], config.max_new_tokens) for spec in specs}
-            reference = mine.get("ar")
+            ran = {spec: run_one(base, heads, prompt, spec, strategies[spec], config.max_new_tokens) for spec in specs}
+            mine = {spec: row for spec, (row, _) in ran.items()}
+            reference, margins = ran.get("ar", (None, None))
             for spec, row in mine.items():
                 if reference is not None and spec != "ar" and config.accept.sampling.greedy:
-                    index = first_divergence(reference.output_ids, row.output_ids)
-                    same = index is None and len(reference.output_ids) == len(row.output_ids)
-                    # a divergence is only honest at a near-tie of the plain run: record how near
-                    gap = None if index is None else top2_gap(base, base.chat_ids(prompt.text),
-                                                              reference.output_ids[:index])
-                    row = replace(row, identical_to_ar=same, first_divergence=index, divergence_logit_gap=gap)
+                    # a divergence is only honest at a near-tie of the plain run: record how near,
+                    # from the logits the plain run itself chose by
+                    divergence = divergence_from_margins(reference.output_ids, margins, row.output_ids)
+                    same = divergence is None and len(reference.output_ids) == len(row.output_ids)
+                    row = replace(row, identical_to_ar=same,
+                                  first_divergence=divergence.position if divergence else None,
+                                  divergence_logit_gap=divergence.logit_gap if divergence else None)
                 rows.append(row)
                 bar.update(1)
             bar.set_postfix({s: f"{r.tokens_per_s:.1f}" for s, r in mine.items()})

@@ -4,12 +4,13 @@
     while not session.finished:
         record = session.step()      # a StepRecord: everything a viewer needs
 
-A step (tree strategies): heads propose -> tree builder -> buffers -> one verify forward over
-the whole tree -> acceptance rule -> KV commit of the accepted path. The root of each tree is
-the base model's own next token (the previous step's bonus token); a step emits the accepted
-head tokens plus the bonus token, so the autoregressive step (a tree with only the root)
-emits exactly one. With `lookup_tokens`, a prompt-lookup chain joins each dynamic tree
-(`core.lookup`); while dynamic:auto skips the heads, a step verifies that chain alone.
+A step: drafters propose (`core.drafters`: the Medusa heads, prompt lookup) -> the tree policy
+builds one CandidateTree from their candidates (`core.tree_policy`; `dynamic:auto` keeps the
+best prefix, `core.auto`) -> one verify forward over the whole tree with tree attention ->
+acceptance rule -> KV commit of the accepted path. The root of each tree is the base model's
+own next token (the previous step's bonus token); a step emits the accepted tokens plus the
+bonus token, so the autoregressive step (a tree with only the root) emits exactly one. While
+dynamic:auto skips the heads, a step verifies the chains alone.
 """
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ import torch
 from transformers import DynamicCache
 
 from core.accept import AcceptConfig, accept, rows_to_project
+from core.auto import AutoBudget
+from core.datastore import StoreDrafter, TokenStore, default_store
+from core.drafters import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, LookupDrafter
 from core.heads import MedusaHeads
 from core.kvcache import cache_length, keep_accepted, truncate
-from core.lookup import LookupDraft, LookupStats, graft_chain, lookup_draft, token_table
-from core.model import BaseModel
+from core.model import DEFAULT_MODEL, BaseModel
+from core.profile import CostProfile, verify_profile
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP, STRATEGIES, PhaseTimes, StepRecord, TreeOutcome
-from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate, verify_profile
 from core.sampling import next_token
-from core.tree import CandidateTree, RankPath, dynamic_tree, fixed_tree, named_tree
+from core.tree import CandidateTree, fixed_tree, named_tree
+from core.tree_policy import DraftTree, build_draft_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
 
 MAX_BUDGET = 256
@@ -49,6 +53,8 @@ class DecodeConfig:
     every dynamic step (for the side-by-side view; costs a second forward, never committed).
     lookup_tokens: dynamic only; when > 0, a prompt-lookup chain of up to this many tokens joins
     the tree each step (`core.lookup`), and steps that skip the heads still verify it.
+    store_tokens: dynamic only; when > 0, the datastore of the model's own answers proposes up to
+    `store_branches` continuations of up to this many tokens as branches (`core.datastore`).
     """
 
     strategy: str = "dynamic"
@@ -63,6 +69,8 @@ class DecodeConfig:
     record_texts: bool = True
     auto_budget: bool = False  # dynamic:auto: per step, the node count (<= budget) maximising tokens/s
     lookup_tokens: int = 0
+    store_tokens: int = 0
+    store_branches: int = 3
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -72,8 +80,12 @@ class DecodeConfig:
         _check_int("depth", self.depth, 1, 16)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS)
-        if self.lookup_tokens and self.strategy != "dynamic":
+        _check_int("store_tokens", self.store_tokens, 0, MAX_LOOKUP_TOKENS)
+        _check_int("store_branches", self.store_branches, 1, 8)
+        if self.lookup_tokens and self.strategy != DYNAMIC:
             raise ValueError("a prompt-lookup branch needs the dynamic strategy")
+        if self.store_tokens and self.strategy != DYNAMIC:
+            raise ValueError("datastore branches need the dynamic strategy")
 
     def resolve_fixed_tree(self) -> CandidateTree:
         if isinstance(self.fixed_tree, str):
@@ -94,45 +106,65 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _top2(logits: torch.Tensor) -> tuple[float, float]:
+    top = torch.topk(logits, 2).values.tolist()  # [2]
+    return top[0], top[1]
+
+
 class DecodeSession:
     """One prompt being decoded: KV cache, emitted tokens and step records. Not thread-safe."""
 
     def __init__(self, base: BaseModel, heads: MedusaHeads | None, prompt_ids: Sequence[int],
-                 config: DecodeConfig, profile: CostProfile | None = None) -> None:
+                 config: DecodeConfig, profile: CostProfile | None = None, *, store: TokenStore | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if config.strategy != "autoregressive":
+        if config.strategy != AUTOREGRESSIVE:
             if heads is None:
                 raise ValueError(f"strategy {config.strategy!r} needs Medusa heads")
             if config.depth > heads.config.num_heads:
                 raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
         self.base = base
-        self.heads = heads
         self.config = config
-        self.fixed = config.resolve_fixed_tree() if config.strategy == "fixed" or config.compare_fixed else None
+        self.fixed = config.resolve_fixed_tree() if config.strategy == FIXED or config.compare_fixed else None
         if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
             raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
         if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
             raise ValueError(f"the fixed tree is {self.fixed.max_depth} deep but only "
                              f"{heads.config.num_heads if heads else 0} heads are loaded")
         self.prompt_ids = list(prompt_ids)
-        self._max_tree_nodes = max(config.budget, self.fixed.num_nodes if self.fixed else 0) + config.lookup_tokens
-        if len(self.prompt_ids) + self._max_tree_nodes + 2 > base.max_positions:
-            raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; with a {self._max_tree_nodes}-node tree "
-                             f"it does not fit the model's context of {base.max_positions}")
+        # plain decoding reserves nothing: the prompt needs room for one new token; near the
+        # limit a tree step shrinks to the depth that still fits (see `_room`)
+        if len(self.prompt_ids) >= base.max_positions:
+            raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; the model's context of "
+                             f"{base.max_positions} leaves no room for an answer")
+        self.heads_drafter = self._heads_drafter(heads)
+        self.chain_drafters = self._chain_drafters(store)
+        self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.draft = heads.draft_projection(base.lm_head) if heads is not None and not heads.config.own_lm_head else None
-        self.profile = profile if profile is not None or not config.auto_budget else verify_profile(base)
-        self.calibration = DepthCalibration()
-        self.lookup_stats = LookupStats()
-        self._plain_until = 0  # dynamic:auto: plain steps until this record index (backing off)
-        self._backoff = 0  # length of the current back-off
         self.cache = DynamicCache()
         self.records: list[StepRecord] = []
         self.output_ids: list[int] = []
         self.stop_reason: str | None = None
         self.prefill_seconds = 0.0
         self._prefill()
+
+    def _heads_drafter(self, heads: MedusaHeads | None) -> HeadsDrafter | None:
+        if self.config.strategy == AUTOREGRESSIVE or heads is None:
+            return None
+        width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
+        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
+        depth = max(self.config.depth, self.fixed.max_depth if self.fixed else 0)
+        return HeadsDrafter(heads, self.base, width=width, depth=depth)
+
+    def _chain_drafters(self, store: TokenStore | None) -> list[Drafter]:
+        drafters: list[Drafter] = []
+        if self.config.lookup_tokens:
+            drafters.append(LookupDrafter(self.config.lookup_tokens))
+        if self.config.store_tokens:
+            if store is None and self.base.config.name != DEFAULT_MODEL:
+                raise ValueError("the shipped datastore holds SmolLM2's token ids; pass a store built for this model")
+            drafters.append(StoreDrafter(store or default_store(), self.config.store_tokens, self.config.store_branches))
+        return drafters
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -150,33 +182,34 @@ class DecodeSession:
 
     @torch.inference_mode()
     def step(self) -> StepRecord:
-        """Run one decoding step; raises RuntimeError when the session has finished."""
+        """Run one decoding step: draft, build, verify, accept, commit. RuntimeError once finished."""
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
-        backing_off = len(self.records) < self._plain_until  # dynamic:auto: the heads cannot pay now
-        start = time.perf_counter()
-        draft = self._lookup_draft()
-        draft_seconds = time.perf_counter() - start
-        if self.config.strategy == "autoregressive" or (backing_off and draft is None):
+        max_depth = self._room() - 1  # deeper nodes would not fit the context
+        t0 = _clock(self.base.device)
+        heads, chains = self._draft(max_depth)
+        draft_seconds = _clock(self.base.device) - t0
+        if heads is None and not chains:
             record = self._step_autoregressive()
         else:
-            record = self._step_tree(draft, use_heads=not backing_off)
-        if self.config.lookup_tokens:  # looking for the chain is part of building the tree
-            record = replace(record, times=replace(record.times, tree=record.times.tree + draft_seconds))
-        record = replace(record, new_tokens=self._emit(record.new_tokens))
+            record = self._step_tree(heads, chains, max_depth)
+        record = replace(record, times=replace(record.times, heads=record.times.heads + draft_seconds),
+                         new_tokens=self._emit(record.new_tokens))
         self.records.append(record)
+        if self.auto is not None:
+            self.auto.observe(record)
         if self.finished:
             self.release()
         return record
 
     def fork(self, seed: int) -> "DecodeSession":
-        """An independent copy at the current point (own cache and random generator), e.g. to
-        draw many samples from one prefill."""
+        """An independent copy at the current point (own cache, drafters' statistics and random
+        generator), e.g. to draw many samples from one prefill."""
         twin = copy.copy(self)
         twin.cache = copy.deepcopy(self.cache)
         twin.records, twin.output_ids = list(self.records), list(self.output_ids)
-        twin.calibration = copy.deepcopy(self.calibration)
-        twin.lookup_stats = copy.deepcopy(self.lookup_stats)
+        twin.chain_drafters = copy.deepcopy(self.chain_drafters)
+        twin.auto = copy.deepcopy(self.auto)
         twin.generator = torch.Generator().manual_seed(seed)
         return twin
 
@@ -192,17 +225,24 @@ class DecodeSession:
             ids = torch.tensor(self.prompt_ids)
             out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)), None)
         self.last_hidden = out.hidden[-1]  # [H]
-        self.root_token = next_token(out.row(len(self.prompt_ids) - 1), self.config.accept.sampling, self.generator)
+        logits = out.row(len(self.prompt_ids) - 1)  # [V]
+        self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
+        self.prefill_top_logits = _top2(logits)
         self.prefill_seconds = time.perf_counter() - start
         self._emit([self.root_token])
         if self.finished:  # the first token already ended it
             self.release()
 
+    def _room(self) -> int:
+        """Tokens that may still be emitted: the token limit, and the model's context (the text,
+        prompt included, never grows past `max_positions`)."""
+        return min(self.config.max_new_tokens - len(self.output_ids),
+                   self.base.max_positions - len(self.prompt_ids) - len(self.output_ids))
+
     def _emit(self, tokens: list[int]) -> list[int]:
-        """Append tokens up to EOS / the token limit; returns those actually emitted."""
-        room = self.config.max_new_tokens - len(self.output_ids)
+        """Append tokens up to EOS / the token limit / the context; returns those actually emitted."""
         emitted = []
-        for token in tokens[:room]:
+        for token in tokens[: max(self._room(), 0)]:
             emitted.append(token)
             self.output_ids.append(token)
             if token in self.base.eos_token_ids:
@@ -210,114 +250,64 @@ class DecodeSession:
                 return emitted
         if len(self.output_ids) >= self.config.max_new_tokens:
             self.stop_reason = "max_new_tokens"
-        elif len(self.prompt_ids) + len(self.output_ids) + self._max_tree_nodes + 2 > self.base.max_positions:
+        elif self._room() <= 0:
             self.stop_reason = "context"
         return emitted
 
     def _texts(self, ids: list[int]) -> list[str]:
         return self.base.token_texts(ids) if self.config.record_texts else []
 
+    def _draft(self, max_depth: int) -> tuple[HeadProposal | None, list[tuple[Drafter, list[Chain]]]]:
+        """Every drafter's candidates for this step (none when no tree node would fit)."""
+        if max_depth < 1 or self.config.strategy == AUTOREGRESSIVE:
+            return None, []
+        context = DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden)
+        use_heads = self.auto is None or self.auto.use_heads()  # dynamic:auto backing off skips the heads
+        heads = self.heads_drafter.propose(context) if use_heads else None
+        chains = []
+        for drafter in self.chain_drafters:
+            proposed = drafter.propose(context)
+            if proposed:
+                chains.append((drafter, [replace(c, tokens=c.tokens[:max_depth], chances=c.chances[:max_depth])
+                                         for c in proposed]))
+        return heads, chains
+
     def _step_autoregressive(self) -> StepRecord:
         device = self.base.device
         context = cache_length(self.cache)
         t0 = _clock(device)
         out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]), None)
-        out.row(0)  # the logits belong to the forward, as in a tree step
+        logits = out.row(0)  # [V] the logits belong to the forward, as in a tree step
         t1 = _clock(device)
-        bonus = next_token(out.row(0), self.config.accept.sampling, self.generator)
+        bonus = next_token(logits, self.config.accept.sampling, self.generator)
+        top_logits = _top2(logits)  # the margin of this choice, for near-tie checks
         t2 = _clock(device)
         self.last_hidden, self.root_token = out.hidden[0], bonus
-        outcome = TreeOutcome(tree=CandidateTree(paths=[], kind="autoregressive"), node_tokens=[int(self.output_ids[-1])],
+        root = int(self.output_ids[-1])
+        outcome = TreeOutcome(tree=CandidateTree(paths=[], kind=AUTOREGRESSIVE), node_tokens=[root],
                               node_scores=[1.0], accepted_nodes=[0], bonus_token=bonus,
-                              node_texts=self._texts([int(self.output_ids[-1])]), bonus_text="".join(self._texts([bonus])))
-        return StepRecord(index=len(self.records), strategy="autoregressive", context_length=context,
+                              node_texts=self._texts([root]), bonus_text="".join(self._texts([bonus])),
+                              head_scores=[1.0])
+        return StepRecord(index=len(self.records), strategy=AUTOREGRESSIVE, context_length=context,
                           head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus],
-                          times=PhaseTimes(verify=t1 - t0, accept=t2 - t1))
+                          times=PhaseTimes(verify=t1 - t0, accept=t2 - t1), top_logits=top_logits)
 
-    def _propose(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-m probabilities and token ids of each head: ([D, m], [D, m])."""
-        width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
-        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
-        depth = max(self.config.depth, self.fixed.max_depth if self.fixed else 0)
-        return self.heads.propose(self.last_hidden, width, self.draft, depth=depth)  # [D, width] each
+    def _build(self, heads: HeadProposal | None, chains: list[Chain], max_depth: int) -> DraftTree:
+        """The step's tree: the policy's tree, cut to the context, then (auto) to the best prefix."""
+        fixed = self.fixed if self.config.strategy == FIXED else None
+        draft = build_draft_tree(heads, chains, self.config.budget, self.config.top_m, self.config.depth, fixed)
+        if draft.tree.max_depth > max_depth:
+            draft = draft.keep(max_depth=max_depth)
+        if self.auto is not None:
+            draft = draft.keep(size=self.auto.choose(draft, heads_used=heads is not None))
+        return draft
 
-    def _lookup_draft(self) -> LookupDraft | None:
-        """The prompt-lookup chain after the current root, when the config asks for one."""
-        if not self.config.lookup_tokens:
-            return None
-        return lookup_draft(self.prompt_ids + self.output_ids, self.config.lookup_tokens)
-
-    def _build_tree(self, head_probs: torch.Tensor, head_ids: torch.Tensor, draft: LookupDraft | None,
-                    use_heads: bool) -> tuple[CandidateTree, list[RankPath]]:
-        """The step's tree and the lookup chain's node paths in it (empty without a draft)."""
-        if self.config.strategy == "fixed":
-            return self.fixed, []
-        tree = dynamic_tree(head_probs[: self.config.depth, : self.config.top_m], self.config.budget)
-        chain: list[RankPath] = []
-        if draft is not None and draft.tokens:
-            tree, chain = graft_chain(tree, head_ids.tolist(), draft, self.lookup_stats.chances(draft),
-                                      lookup_rank=head_ids.shape[1])
-        if not self.config.auto_budget:
-            return tree, chain
-        # any prefix of the best-first order is itself a tree: keep the one with the best rate; the
-        # heads' scores are corrected per depth by the acceptance seen so far, the chain's are its own
-        on_chain = set(chain)
-        expected = [score if path in on_chain else score * self.calibration.factor(len(path))
-                    for path, score in zip(tree.paths, tree.scores)]
-        size, rate = best_prefix(expected, tree.depths[1:], self.profile, self._overhead_ms(tree_steps=use_heads))
-        if use_heads:
-            self._update_backoff(size, rate)
-        kept = set(tree.paths[:size])
-        return CandidateTree(paths=tree.paths[:size], scores=tree.scores[:size], kind="dynamic"), \
-            [path for path in chain if path in kept]
-
-    def _update_backoff(self, size: int, rate: float) -> None:
-        plain = self._measured_rate(tree_steps=False) or plain_rate(self.profile, self._overhead_ms(tree_steps=False))
-        measured = self._measured_rate(tree_steps=True)
-        # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain
-        # steps, or an expected rate far below plain, backs off for 16 steps; when no node is worth
-        # verifying, the next 1, 2, 4 ... 16 steps are plain (reset once a tree pays again)
-        if (measured is not None and measured < 0.9 * plain) or rate < 0.8 * plain:
-            self._backoff = 16
-        elif size == 0:
-            self._backoff = min(max(1, 2 * self._backoff), 16)
-        else:
-            self._backoff = 0
-        self._plain_until = len(self.records) + 1 + self._backoff  # steps after this one
-
-    @staticmethod
-    def _used_heads(record: StepRecord) -> bool:
-        return record.strategy not in ("autoregressive", "lookup")
-
-    def _measured_rate(self, tree_steps: bool) -> float | None:
-        """Tokens per ms that the last 24 steps with (or without) the heads actually delivered;
-        None before 12 of them. Steps without the heads are plain or lookup-only ones."""
-        recent = [r for r in self.records[-96:] if self._used_heads(r) == tree_steps][-24:]
-        if len(recent) < 12:
-            return None
-        return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
-
-    def _overhead_ms(self, tree_steps: bool) -> float:
-        """Mean non-verify time (heads, tree, accept, commit) of recent steps with or without heads.
-
-        Verify times include the logits' projection (the profile measures it too). Before any plain
-        step, a plain step's overhead is estimated by the tree steps' accept time.
-        """
-        recent = [r for r in self.records[-16:] if self._used_heads(r) == tree_steps]
-        if recent:
-            return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
-        tree_recent = [r for r in self.records[-16:] if self._used_heads(r)]
-        if not tree_steps and tree_recent:
-            return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
-        return 2.0
-
-    def _verify_and_accept(self, tree: CandidateTree, head_probs: torch.Tensor, token_ids: torch.Tensor,
-                           lookup_rank: int | None = None) -> tuple[TreeOutcome, VerifyOutput, float, float]:
-        """Verify `tree` on top of the cache and apply the acceptance rule (the cache keeps the tree).
-        token_ids: [rows, ranks] token of each (depth, rank), the heads' top-m plus any lookup column."""
+    def _verify_and_accept(self, draft: DraftTree) -> tuple[TreeOutcome, VerifyOutput, float, float]:
+        """Verify the tree on top of the cache and apply the acceptance rule (the cache keeps the tree)."""
         device = self.base.device
+        tree = draft.tree
         buffers = tree.buffers()
-        tokens = tree.node_tokens(self.root_token, token_ids)  # [n+1]
+        tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
         t0 = _clock(device)
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
         out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
@@ -325,72 +315,73 @@ class DecodeSession:
         result = accept(tree, tokens, out, self.config.accept, self.generator)
         t2 = _clock(device)
         token_list = tokens.tolist()
-        # dynamic trees carry their (top-m renormalised) scores; fixed ones use the raw marginals
-        scores = tree.scores if tree.scores is not None else tree.path_scores(head_probs)
+        head_scores = draft.node_head_scores()
+        scores = tree.scores if tree.scores is not None else [s or 0.0 for s in head_scores[1:]]
         outcome = TreeOutcome(tree=tree, node_tokens=token_list, node_scores=[1.0] + list(scores),
                               accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
                               node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
-                              lookup_rank=lookup_rank)
+                              lookup_rank=draft.first_chain_rank if draft.chains else None,
+                              chain_sources=tuple(c.source for c in draft.chains), head_scores=head_scores,
+                              base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.config.record_texts else [])
         return outcome, out, t1 - t0, t2 - t1
 
-    def _step_tree(self, draft: LookupDraft | None = None, use_heads: bool = True) -> StepRecord:
-        """One tree step; without the heads (dynamic:auto backing off) the tree is the lookup chain."""
+    def _compare_fixed(self, heads: HeadProposal, max_depth: int) -> tuple[TreeOutcome, float]:
+        """The fixed tree on the same heads and context, verified but never committed (UI only)."""
         device = self.base.device
         context = cache_length(self.cache)
-        t0 = _clock(device)
-        if use_heads:
-            head_probs, head_ids = self._propose()  # [D, m] each
-        else:
-            head_probs, head_ids = torch.zeros(0, self.config.top_m), torch.zeros(0, self.config.top_m, dtype=torch.long)
+        c0 = _clock(device)
+        draft = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
+        comparison, _, _, _ = self._verify_and_accept(draft.keep(max_depth=max_depth))
+        truncate(self.cache, context)
+        return comparison, _clock(device) - c0
+
+    def _step_tree(self, heads: HeadProposal | None, drafted: list[tuple[Drafter, list[Chain]]],
+                   max_depth: int) -> StepRecord:
+        """One tree step; without the heads (dynamic:auto backing off) the tree holds the chains alone."""
+        device = self.base.device
+        context = cache_length(self.cache)
+        chains = [chain for _, proposed in drafted for chain in proposed]
         t1 = _clock(device)
-        tree, chain = self._build_tree(head_probs, head_ids, draft, use_heads)
-        token_ids = token_table(head_ids, draft) if chain else head_ids
+        draft = self._build(heads, chains, max_depth)
         t2 = _clock(device)
         comparison, compare_seconds = None, 0.0
-        if self.config.compare_fixed and self.config.strategy == "dynamic" and use_heads:
-            c0 = _clock(device)
-            comparison, _, _, _ = self._verify_and_accept(self.fixed, head_probs, head_ids)
-            truncate(self.cache, context)  # the comparison is never committed
-            compare_seconds = _clock(device) - c0
-        lookup_rank = head_ids.shape[1] if chain else None
-        outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(tree, head_probs, token_ids, lookup_rank)
+        if self.config.compare_fixed and self.config.strategy == DYNAMIC and heads is not None:
+            comparison, compare_seconds = self._compare_fixed(heads, max_depth)
+        outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(draft)
         c0 = _clock(device)
-        accepted = torch.tensor(outcome.accepted_nodes, device=device)
-        keep_accepted(self.cache, context, accepted)
+        keep_accepted(self.cache, context, torch.tensor(outcome.accepted_nodes, device=device))
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
-        new_tokens = outcome.accepted_tokens
-        self._learn(outcome, draft, chain, use_heads=use_heads)
+        self._observe_chains(drafted, draft, outcome.accepted_tokens)
         shown = min(self.config.top_m, 10)
+        head_ids = heads.token_ids[:, :shown].tolist() if heads is not None else []
+        if heads is not None:
+            kind = self.config.strategy
+        else:
+            kind = LOOKUP if draft.tree.num_nodes else AUTOREGRESSIVE
         return StepRecord(
-            index=len(self.records), context_length=context,
-            strategy=self.config.strategy if use_heads else ("lookup" if chain else "autoregressive"),
-            head_token_ids=head_ids[:, :shown].tolist(), head_probs=head_probs[:, :shown].tolist(),
-            outcome=outcome, new_tokens=new_tokens + [outcome.bonus_token],
-            times=PhaseTimes(heads=t1 - t0, tree=t2 - t1, verify=verify_seconds, accept=accept_seconds,
+            index=len(self.records), context_length=context, strategy=kind,
+            head_token_ids=head_ids, head_probs=heads.probs[:, :shown].tolist() if heads is not None else [],
+            outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token],
+            times=PhaseTimes(tree=t2 - t1, verify=verify_seconds, accept=accept_seconds,
                              commit=commit_seconds, compare=compare_seconds),
             comparison=comparison,
-            head_texts=[self._texts(row) for row in head_ids[:, :shown].tolist()] if self.config.record_texts else [],
+            head_texts=[self._texts(row) for row in head_ids] if self.config.record_texts else [],
         )
 
-    def _learn(self, outcome: TreeOutcome, draft: LookupDraft | None, chain: list[RankPath], *,
-               use_heads: bool) -> None:
-        """Update the acceptance estimates: the lookup chain's, and (auto) the heads' per depth."""
-        tree = outcome.tree
-        if chain:
-            self.lookup_stats.update(draft, len(chain), outcome.accepted_tokens)
-        if not (self.config.auto_budget and use_heads):
-            return
-        copied = outcome.lookup_nodes
-        head_nodes = [node for node in range(1, tree.num_nodes + 1) if node not in copied]
-        accepted_by_heads = sum(1 for node in outcome.accepted_nodes[1:] if node not in copied)
-        scores = tree.scores or [0.0] * tree.num_nodes
-        self.calibration.update([tree.depths[node] for node in head_nodes], [scores[node - 1] for node in head_nodes],
-                                accepted_by_heads)
+    @staticmethod
+    def _observe_chains(drafted: list[tuple[Drafter, list[Chain]]], draft: DraftTree,
+                        accepted_tokens: list[int]) -> None:
+        """Each chain drafter learns how deep its chains were verified and what was accepted."""
+        depths = iter(draft.verified_chain_depths)
+        for drafter, proposed in drafted:
+            drafter.observe(proposed, [next(depths) for _ in proposed], accepted_tokens)
+
 
 def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int],
-                  config: DecodeConfig, profile: CostProfile | None = None) -> DecodeSession:
+                  config: DecodeConfig, profile: CostProfile | None = None, *,
+                  store: TokenStore | None = None) -> DecodeSession:
     """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session."""
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -402,13 +393,13 @@ def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequ
         prompt_ids = base.chat_ids(prompt)
     else:
         prompt_ids = [int(i) for i in prompt]
-    return DecodeSession(base, heads, prompt_ids, config, profile)
+    return DecodeSession(base, heads, prompt_ids, config, profile, store=store)
 
 
 def decode(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int], config: DecodeConfig,
-           profile: CostProfile | None = None) -> DecodeSession:
+           profile: CostProfile | None = None, *, store: TokenStore | None = None) -> DecodeSession:
     """Run a prompt to the end; the finished session holds the output and every step record."""
-    session = start_session(base, heads, prompt, config, profile)
+    session = start_session(base, heads, prompt, config, profile, store=store)
     for _ in session.run():
         pass
     return session

@@ -9,17 +9,15 @@ verify pass checks both.
 The chain fits the rank-path trees unchanged: it uses a reserved rank, `lookup_rank` (the column
 after the heads' top-m), whose token at depth d is the chain's d-th token. Where the chain agrees
 with a head node already in the tree it follows that node, so no token is verified twice.
-Everything here is pure (lists in, lists out) except `LookupStats`, the per-session acceptance
-record that turns chain depths into acceptance estimates for the adaptive budget.
+Everything here is pure (lists in, lists out) except `ChainStats`, the per-session acceptance
+record that turns chain depths into acceptance estimates for the adaptive budget. Grafting
+chains onto a tree is `core.tree_policy.graft_chains`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
-from core.tree import CandidateTree, RankPath
 
 MAX_NGRAM = 3
 CHAIN_TOKENS = 10  # the chain length the benchmark and the app use, as transformers' prompt_lookup_num_tokens
@@ -63,72 +61,40 @@ def lookup_draft(sequence: Sequence[int], max_tokens: int, max_ngram: int = MAX_
 
 
 @dataclass
-class LookupStats:
-    """How often a chain found by an n-gram match was accepted through depth d (per session)."""
+class ChainStats:
+    """How often a drafter's chains were accepted through depth d, kept per key (per session).
 
+    The key is what the drafter found the chain by (prompt lookup: the n-gram length that
+    matched). Estimates start from a prior (`prior_first[key] * prior_decay^(d-1)`, worth
+    `PRIOR_WEIGHT` observations) and move to the observed rate.
+    """
+
+    prior_first: dict[int, float] = field(default_factory=lambda: dict(PRIOR_FIRST))
+    prior_decay: float = PRIOR_DECAY
     proposed: dict[tuple[int, int], float] = field(default_factory=dict)
     accepted: dict[tuple[int, int], float] = field(default_factory=dict)
 
-    def chance(self, ngram: int, depth: int) -> float:
-        """Estimated probability that the chain is accepted through `depth` (1-based)."""
-        prior = PRIOR_FIRST.get(ngram, PRIOR_FIRST[MAX_NGRAM]) * PRIOR_DECAY ** (depth - 1)
-        key = (ngram, depth)
-        return (self.accepted.get(key, 0.0) + PRIOR_WEIGHT * prior) / (self.proposed.get(key, 0.0) + PRIOR_WEIGHT)
+    def chance(self, key: int, depth: int) -> float:
+        """Estimated probability that a chain found by `key` is accepted through `depth` (1-based)."""
+        first = self.prior_first.get(key, self.prior_first[max(self.prior_first)])
+        prior = first * self.prior_decay ** (depth - 1)
+        at = (key, depth)
+        return (self.accepted.get(at, 0.0) + PRIOR_WEIGHT * prior) / (self.proposed.get(at, 0.0) + PRIOR_WEIGHT)
 
-    def chances(self, draft: LookupDraft) -> list[float]:
+    def chances(self, key: int, length: int) -> list[float]:
         """Per-depth estimates for a chain, made non-increasing (a deeper token needs the ones before)."""
         out: list[float] = []
-        for depth in range(1, len(draft.tokens) + 1):
-            out.append(min(self.chance(draft.ngram, depth), out[-1] if out else 1.0))
+        for depth in range(1, length + 1):
+            out.append(min(self.chance(key, depth), out[-1] if out else 1.0))
         return out
 
-    def update(self, draft: LookupDraft, verified_depth: int, accepted_tokens: Sequence[int]) -> None:
-        """Record one step: the chain was verified through `verified_depth`; `accepted_tokens` are
-        the head-depth tokens the base model accepted (bonus excluded)."""
+    def update(self, key: int, tokens: Sequence[int], verified_depth: int, accepted_tokens: Sequence[int]) -> None:
+        """Record one step: the chain `tokens` was verified through `verified_depth`;
+        `accepted_tokens` are the tokens the base model accepted after the root (bonus excluded)."""
         matched = 0
-        while matched < min(verified_depth, len(accepted_tokens)) and draft.tokens[matched] == accepted_tokens[matched]:
+        while matched < min(verified_depth, len(accepted_tokens)) and tokens[matched] == accepted_tokens[matched]:
             matched += 1
         for depth in range(1, verified_depth + 1):
-            key = (draft.ngram, depth)
-            self.proposed[key] = self.proposed.get(key, 0.0) + 1.0
-            self.accepted[key] = self.accepted.get(key, 0.0) + (1.0 if depth <= matched else 0.0)
-
-
-def token_table(head_ids: torch.Tensor, draft: LookupDraft) -> torch.Tensor:
-    """The heads' [K, m] token table plus the lookup column: [max(K, L), m+1].
-
-    Column m (the lookup rank) holds the chain's d-th token in row d-1; rows past the heads'
-    depth hold only that column (their other entries are never addressed).
-    """
-    depth, width = head_ids.shape
-    rows = max(depth, len(draft.tokens))
-    table = torch.zeros(rows, width + 1, dtype=head_ids.dtype, device=head_ids.device)  # [max(K, L), m+1]
-    table[:depth, :width] = head_ids
-    table[: len(draft.tokens), width] = torch.tensor(draft.tokens, dtype=head_ids.dtype, device=head_ids.device)
-    return table
-
-
-def graft_chain(tree: CandidateTree, head_ids: list[list[int]], draft: LookupDraft, chances: list[float],
-                lookup_rank: int) -> tuple[CandidateTree, list[RankPath]]:
-    """`tree` with the lookup chain added: the chain follows the tree's own nodes while their
-    tokens agree, then continues on the lookup rank. Pure; the tree must carry scores.
-
-    Scores stay acceptance estimates that never grow with depth: a node shared with the chain
-    scores max(its head score, the chain's estimate at that depth); a new node scores the chain's
-    estimate. Sorting by score (depth breaks ties) therefore lists parents first, and every
-    prefix of the result is itself a tree, as the adaptive budget needs. Also returns the chain's
-    node paths, depth 1 first.
-    """
-    scores = dict(zip(tree.paths, tree.scores or [0.0] * tree.num_nodes))
-    chain: list[RankPath] = []
-    path: RankPath = ()
-    for depth, (token, chance) in enumerate(zip(draft.tokens, chances)):
-        same = None
-        if not path or path[-1] != lookup_rank:
-            row = head_ids[depth] if depth < len(head_ids) else []
-            same = next((path + (rank,) for rank, t in enumerate(row) if t == token and path + (rank,) in scores), None)
-        path = same if same is not None else path + (lookup_rank,)
-        scores[path] = max(scores.get(path, 0.0), chance)
-        chain.append(path)
-    order = sorted(scores, key=lambda p: (-scores[p], len(p)))
-    return CandidateTree(paths=order, scores=[scores[p] for p in order], kind=tree.kind), chain
+            at = (key, depth)
+            self.proposed[at] = self.proposed.get(at, 0.0) + 1.0
+            self.accepted[at] = self.accepted.get(at, 0.0) + (1.0 if depth <= matched else 0.0)

@@ -43,7 +43,10 @@ class TreeOutcome:
     bonus_token: int
     node_texts: list[str] = field(default_factory=list)
     bonus_text: str = ""
-    lookup_rank: int | None = None  # the rank that marks prompt-lookup nodes, if any
+    lookup_rank: int | None = None  # first rank of the chains' columns (chain j on lookup_rank + j), if any
+    chain_sources: tuple[str, ...] = ()  # drafter of each chain column: "lookup", "store"
+    head_scores: list[float | None] = field(default_factory=list)  # [n+1] the heads' own score; None: chain-only node
+    base_top_tokens: list[int] = field(default_factory=list)  # [n+1] base argmax after each node; -1: not projected
 
     @property
     def accepted_length(self) -> int:
@@ -57,10 +60,20 @@ class TreeOutcome:
 
     @property
     def lookup_nodes(self) -> frozenset[int]:
-        """Nodes that only the prompt-lookup chain proposed (on its reserved rank)."""
+        """Nodes that only a chain (prompt lookup, datastore) proposed (on a reserved rank)."""
         if self.lookup_rank is None:
             return frozenset()
-        return frozenset(i for i, path in enumerate(self.tree.paths, start=1) if self.lookup_rank in path)
+        return frozenset(i for i, path in enumerate(self.tree.paths, start=1) if path[-1] >= self.lookup_rank)
+
+    def node_source(self, node: int) -> str:
+        """Who proposed `node`: "root", "heads" (head k = its depth), or a chain's drafter name."""
+        if node == 0:
+            return "root"
+        rank = self.tree.paths[node - 1][-1]
+        if self.lookup_rank is not None and rank >= self.lookup_rank:
+            column = rank - self.lookup_rank
+            return self.chain_sources[column] if column < len(self.chain_sources) else "lookup"
+        return "heads"
 
 
 @dataclass(frozen=True)
@@ -77,3 +90,9 @@ class StepRecord:
     times: PhaseTimes
     comparison: TreeOutcome | None = None  # the fixed tree on the same head outputs and context
     head_texts: list[list[str]] = field(default_factory=list)
+    top_logits: tuple[float, float] | None = None  # plain steps: the base model's top-1 and top-2 logits
+
+    @property
+    def top2_gap(self) -> float | None:
+        """Plain steps: how far the chosen token's logit led the runner-up (a near-tie check)."""
+        return None if self.top_logits is None else self.top_logits[0] - self.top_logits[1]

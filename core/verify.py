@@ -35,9 +35,9 @@ class VerifyOutput:
         """float32 logits of one row: [V]."""
         return self.logits([index])[0]
 
-    @property
-    def projected_rows(self) -> int:
-        return len(self._rows)
+    def projected_argmax(self, rows: int) -> list[int]:
+        """The base model's top token after each of the first `rows` rows; -1 where not projected."""
+        return [int(self._rows[r].argmax()) if r in self._rows else -1 for r in range(rows)]
 
 
 def tree_attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype,

@@ -6,9 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.lookup import LookupDraft, LookupStats, graft_chain, lookup_draft, token_table
+from core.drafters import Chain
+from core.lookup import ChainStats, LookupDraft, lookup_draft
 from core.profile import CostProfile, best_prefix
-from core.tree import dynamic_tree
+from core.tree import CandidateTree, dynamic_tree
+from core.tree_policy import chain_token_table, graft_chains
 from tests.test_tree import check_invariants
 
 
@@ -46,27 +48,32 @@ def heads_and_tree(seed: int, budget: int) -> tuple[torch.Tensor, list[list[int]
     return ids, ids.tolist(), dynamic_tree(probs, budget)
 
 
+def graft_one(tree: CandidateTree, ids: torch.Tensor, tokens: list[int], chances: list[float]):
+    """Graft one chain on rank 6 (after the heads' top-6): (tree, the chain's node paths)."""
+    chain = Chain(tokens=tokens, chances=chances, source="lookup")
+    grafted, paths, _ = graft_chains(tree, chain_token_table(ids, [chain]), [chain], first_chain_rank=6)
+    return grafted, paths[0]
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, 10_000), st.integers(0, 30), st.lists(st.integers(0, 40), min_size=1, max_size=8))
 def test_grafted_tree_is_valid_and_every_prefix_is_a_tree(seed, budget, chain_tokens):
     ids, id_rows, tree = heads_and_tree(seed, budget)
-    draft = LookupDraft(tokens=chain_tokens, ngram=2)
-    grafted, chain = graft_chain(tree, id_rows, draft, LookupStats().chances(draft), lookup_rank=6)
+    grafted, chain = graft_one(tree, ids, chain_tokens, ChainStats().chances(2, len(chain_tokens)))
     check_invariants(grafted)
     assert len(chain) == len(chain_tokens) and [len(p) for p in chain] == list(range(1, len(chain) + 1))
     assert set(tree.paths) <= set(grafted.paths) and grafted.num_nodes <= tree.num_nodes + len(chain_tokens)
     for size in range(grafted.num_nodes + 1):  # what the adaptive budget keeps is a tree too
         check_invariants(type(grafted)(paths=grafted.paths[:size]))
     # the chain's nodes spell the draft, whether they are head nodes or lookup nodes
-    tokens = grafted.node_tokens(99, token_table(ids, draft)).tolist()
+    tokens = grafted.node_tokens(99, chain_token_table(ids, [Chain(chain_tokens, [], "lookup")])).tolist()
     assert [tokens[grafted.node_index(p)] for p in chain] == chain_tokens
 
 
 def test_chain_follows_head_nodes_that_agree_and_never_duplicates_them():
     ids, id_rows, tree = heads_and_tree(seed=3, budget=20)
     first, second = tree.paths[0], next(p for p in tree.paths if len(p) == 2 and p[0] == tree.paths[0][0])
-    draft = LookupDraft(tokens=[id_rows[0][first[0]], id_rows[1][second[1]], 77], ngram=3)
-    grafted, chain = graft_chain(tree, id_rows, draft, [0.9, 0.8, 0.7], lookup_rank=6)
+    grafted, chain = graft_one(tree, ids, [id_rows[0][first[0]], id_rows[1][second[1]], 77], [0.9, 0.8, 0.7])
     assert chain == [first, second, second + (6,)]
     assert grafted.num_nodes == tree.num_nodes + 1
     scores = dict(zip(grafted.paths, grafted.scores))
@@ -75,27 +82,47 @@ def test_chain_follows_head_nodes_that_agree_and_never_duplicates_them():
 
 
 def test_chain_estimates_learn_from_acceptance():
-    stats = LookupStats()
-    draft = LookupDraft(tokens=[4, 5, 6], ngram=1)
-    prior = stats.chances(draft)
+    stats = ChainStats()
+    tokens = [4, 5, 6]
+    prior = stats.chances(1, 3)
     assert prior == sorted(prior, reverse=True) and prior[0] < 0.5
     for _ in range(20):
-        stats.update(draft, verified_depth=3, accepted_tokens=[4, 5, 6])
-    assert all(c > 0.9 for c in stats.chances(draft))
+        stats.update(1, tokens, verified_depth=3, accepted_tokens=[4, 5, 6])
+    assert all(c > 0.9 for c in stats.chances(1, 3))
     for _ in range(40):
-        stats.update(draft, verified_depth=3, accepted_tokens=[4, 9])
-    learned = stats.chances(draft)
+        stats.update(1, tokens, verified_depth=3, accepted_tokens=[4, 9])
+    learned = stats.chances(1, 3)
     assert learned[0] > 0.9 and learned[1] < 0.5 and learned[2] <= learned[1]
-    stats.update(draft, verified_depth=1, accepted_tokens=[4, 5, 6])  # only depth 1 was verified
+    stats.update(1, tokens, verified_depth=1, accepted_tokens=[4, 5, 6])  # only depth 1 was verified
     assert stats.proposed[(1, 2)] == 60
 
 
 def test_adaptive_budget_takes_a_likely_chain_and_leaves_an_unlikely_one():
     flat = CostProfile(sizes=[1, 16, 64], ms=[20.0, 21.0, 40.0])
     ids, id_rows, tree = heads_and_tree(seed=1, budget=6)
-    draft = LookupDraft(tokens=[90, 91, 92, 93, 94, 95], ngram=3)
     for chance, wanted in ((0.95, True), (0.001, False)):
-        grafted, chain = graft_chain(tree, id_rows, draft, [chance ** d for d in range(1, 7)], lookup_rank=6)
+        grafted, chain = graft_one(tree, ids, [90, 91, 92, 93, 94, 95], [chance ** d for d in range(1, 7)])
         size, _ = best_prefix(grafted.scores, grafted.depths[1:], flat, overhead_ms=2.0)
         kept = set(grafted.paths[:size])
         assert all(p in kept for p in chain) == wanted
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 20),
+       st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=6), min_size=1, max_size=4))
+def test_several_chains_share_prefixes_and_every_prefix_is_a_tree(seed, budget, chains_tokens):
+    """Chains that agree on their first tokens share those nodes; each spells its own tokens."""
+    ids, _, tree = heads_and_tree(seed, budget)
+    chains = [Chain(tokens=t, chances=[0.9 ** d for d in range(1, len(t) + 1)], source="store") for t in chains_tokens]
+    table = chain_token_table(ids, chains)
+    grafted, paths, chain_scores = graft_chains(tree, table, chains, first_chain_rank=6)
+    check_invariants(grafted)
+    for size in range(grafted.num_nodes + 1):
+        check_invariants(CandidateTree(paths=grafted.paths[:size]))
+    tokens = grafted.node_tokens(99, table).tolist()
+    for chain, nodes in zip(chains, paths):
+        assert [tokens[grafted.node_index(p)] for p in nodes] == chain.tokens
+    # no two nodes with one parent carry the same token: nothing is verified twice
+    siblings = [(p[:-1], tokens[grafted.node_index(p)]) for p in grafted.paths]
+    assert len(siblings) == len(set(siblings))
+    assert set(chain_scores) == {p for nodes in paths for p in nodes}

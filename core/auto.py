@@ -1,0 +1,112 @@
+"""The adaptive budget (`dynamic:auto`): how much of the best-first tree to verify each step.
+
+One object per session: `choose` keeps the prefix of the tree's best-first order that
+maximises expected tokens per ms (`core.profile.best_prefix`), `observe` learns from each
+step record: the heads' acceptance per depth (calibration, from the heads' own scores only:
+a chain grafted onto a head node must not inflate it), and the tokens per ms that steps with
+and without the heads actually delivered (the back-off rule in `core.profile`'s docstring).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate
+from core.records import AUTOREGRESSIVE, LOOKUP, StepRecord
+from core.tree_policy import DraftTree
+
+WINDOW = 96  # records the rates are read from
+RATE_STEPS = 24  # steps a measured rate averages
+MIN_RATE_STEPS = 12  # fewer steps than this: no measured rate yet
+OVERHEAD_STEPS = 16
+MAX_BACKOFF = 16
+
+
+@dataclass
+class AutoBudget:
+    """Per-session state of the adaptive budget."""
+
+    profile: CostProfile
+    calibration: DepthCalibration = field(default_factory=DepthCalibration)
+    records: list[StepRecord] = field(default_factory=list)  # the last WINDOW steps
+    plain_until: int = 0  # steps before this index skip the heads (backing off)
+    backoff: int = 0  # length of the current back-off
+    steps: int = 0
+
+    def use_heads(self) -> bool:
+        """False while backing off: the heads cannot pay at the moment."""
+        return self.steps >= self.plain_until
+
+    def expected(self, draft: DraftTree) -> list[float]:
+        """Expected acceptance of each node in best-first order: the heads' score corrected per
+        depth by what was observed, or a chain's own estimate, whichever is larger."""
+        return [max(self.calibration.factor(len(path)) * draft.head_scores.get(path, 0.0),
+                    draft.chain_scores.get(path, 0.0)) for path in draft.tree.paths]
+
+    def choose(self, draft: DraftTree, heads_used: bool) -> int:
+        """Nodes to keep (a prefix of the best-first order); updates the back-off when the heads ran."""
+        tree = draft.tree
+        size, rate = best_prefix(self.expected(draft), tree.depths[1:], self.profile,
+                                 self.overhead_ms(heads_used))
+        if heads_used:
+            self._update_backoff(size, rate)
+        return size
+
+    def observe(self, record: StepRecord) -> None:
+        """Learn from one finished step (of any kind)."""
+        if _used_heads(record):
+            self._calibrate(record)
+        self.records = (self.records + [record])[-WINDOW:]
+        self.steps += 1
+
+    def _calibrate(self, record: StepRecord) -> None:
+        outcome = record.outcome
+        head_scores = outcome.head_scores
+        nodes = [n for n in range(1, outcome.tree.num_nodes + 1) if head_scores[n] is not None]
+        head_nodes = set(nodes)
+        accepted = 0  # accepted tokens that the heads proposed (the chain may accept beyond them)
+        for node in outcome.accepted_nodes[1:]:
+            if node not in head_nodes:
+                break
+            accepted += 1
+        self.calibration.update([outcome.tree.depths[n] for n in nodes], [head_scores[n] for n in nodes], accepted)
+
+    def _update_backoff(self, size: int, rate: float) -> None:
+        plain = self.measured_rate(heads_used=False) or plain_rate(self.profile, self.overhead_ms(heads_used=False))
+        measured = self.measured_rate(heads_used=True)
+        # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain
+        # steps, or an expected rate far below plain, backs off for 16 steps; when no node is worth
+        # verifying, the next 1, 2, 4 ... 16 steps are plain (reset once a tree pays again)
+        if (measured is not None and measured < 0.9 * plain) or rate < 0.8 * plain:
+            self.backoff = MAX_BACKOFF
+        elif size == 0:
+            self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
+        else:
+            self.backoff = 0
+        self.plain_until = self.steps + 1 + self.backoff  # steps after this one
+
+    def measured_rate(self, heads_used: bool) -> float | None:
+        """Tokens per ms that the last 24 steps with (or without) the heads actually delivered;
+        None before 12 of them. Steps without the heads are plain or lookup-only ones."""
+        recent = [r for r in self.records if _used_heads(r) == heads_used][-RATE_STEPS:]
+        if len(recent) < MIN_RATE_STEPS:
+            return None
+        return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
+
+    def overhead_ms(self, heads_used: bool) -> float:
+        """Mean non-verify time (draft, tree, accept, commit) of recent steps with or without heads.
+
+        Verify times include the logits' projection (the profile measures it too). Before any plain
+        step, a plain step's overhead is estimated by the tree steps' accept time.
+        """
+        window = self.records[-OVERHEAD_STEPS:]
+        recent = [r for r in window if _used_heads(r) == heads_used]
+        if recent:
+            return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
+        tree_recent = [r for r in window if _used_heads(r)]
+        if not heads_used and tree_recent:
+            return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
+        return 2.0
+
+
+def _used_heads(record: StepRecord) -> bool:
+    return record.strategy not in (AUTOREGRESSIVE, LOOKUP)

@@ -1,0 +1,105 @@
+"""Drafters: what proposes the next tokens. One small interface, two kinds of candidates.
+
+A drafter looks at the current context (the tokens so far and the base model's last hidden
+state) and proposes scored candidates for the tree builder (`core.tree_policy`):
+
+- `HeadProposal`: per-depth marginals of parallel heads (Medusa): head d's top-m tokens and
+  probabilities; a candidate is any rank path, scored by the product of its marginals.
+- `Chain`: one token sequence with a per-depth acceptance estimate (prompt lookup, the
+  datastore): it joins the tree as a branch on a reserved rank column.
+
+Verification, acceptance and the KV commit never know which drafter proposed a node. After a
+step each drafter `observe`s what was accepted, to sharpen its estimates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from core.heads import MedusaHeads
+from core.lookup import ChainStats, lookup_draft
+from core.model import BaseModel
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may read at the start of a step."""
+
+    tokens: Sequence[int]  # prompt + output so far, ending with the step's root token
+    hidden: torch.Tensor  # [H] the base model's last hidden state (it predicted the root)
+
+
+@dataclass(frozen=True)
+class HeadProposal:
+    """Parallel heads' guesses: row d holds head d+1's top-m tokens, sorted by probability."""
+
+    probs: torch.Tensor  # [D, m]
+    token_ids: torch.Tensor  # [D, m]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A continuation of the root proposed as one branch, with per-depth acceptance estimates."""
+
+    tokens: list[int]
+    chances: list[float]  # non-increasing: chance that the chain is right through depth d
+    source: str  # the drafter's name, shown in the tree view
+    key: int = 0  # what the drafter's statistics are kept by (e.g. the n-gram length that matched)
+
+
+class Drafter(Protocol):
+    """Proposes candidates for the next tokens and learns from what the base model accepted."""
+
+    name: str
+
+    def propose(self, context: DraftContext) -> HeadProposal | list[Chain] | None:
+        """Candidates for the tokens after `context.tokens[-1]`, or None when it has none."""
+
+    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        """One step's result: how deep each proposed chain was verified, and the accepted tokens
+        after the root (bonus excluded)."""
+
+
+class HeadsDrafter:
+    """Medusa heads: head k guesses token t+k+1 from the hidden state at t alone."""
+
+    name = "heads"
+
+    def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
+        self.heads = heads
+        self.width = width
+        self.depth = depth
+        self.projection = heads.draft_projection(base.lm_head) if not heads.config.own_lm_head else None
+
+    def propose(self, context: DraftContext) -> HeadProposal:
+        probs, ids = self.heads.propose(context.hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
+        return HeadProposal(probs=probs, token_ids=ids)
+
+    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        """The heads are frozen; their calibration lives in the adaptive budget (`core.auto`)."""
+
+
+class LookupDrafter:
+    """Prompt lookup: copy what followed the latest earlier occurrence of the last n-gram."""
+
+    name = "lookup"
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.stats = ChainStats()
+
+    def propose(self, context: DraftContext) -> list[Chain] | None:
+        draft = lookup_draft(context.tokens, self.max_tokens)
+        if draft is None or not draft.tokens:
+            return None
+        return [Chain(tokens=draft.tokens, chances=self.stats.chances(draft.ngram, len(draft.tokens)),
+                      source=self.name, key=draft.ngram)]
+
+    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        for chain, depth in zip(proposed, verified_depths):
+            self.stats.update(chain.key, chain.tokens, depth, accepted_tokens)
