@@ -452,6 +452,10 @@ def test_verification_view_shows_the_base_models_token_beside_the_candidates():
     page = verification_html(stopped, greedy=True)
     assert "✗ no candidate matches" in page and "&lt;i&gt;bonus&lt;/i&gt;" in page and "argmax" in page
     assert "sampled" in verification_html(stopped, greedy=False)
+    argmax = dataclasses.replace(stopped.outcome, base_top_tokens=[101, 555, -1, -1, -1, -1, -1, -1, -1])
+    sampled = verification(dataclasses.replace(stopped, outcome=argmax))  # recorded argmax: shown as is
+    assert sampled[1].choice == "#555" and "argmax" in verification_html(dataclasses.replace(stopped, outcome=argmax),
+                                                                         greedy=False)
     assert "root alone" in verification_html(_record(0, _autoregressive_outcome()), greedy=True)
 
 

@@ -21,6 +21,7 @@ ROLES = {
     "copied": "prompt-lookup guess accepted",
     "bonus": "bonus token (base model)",
 }
+CHAIN_NAMES = {"lookup": "prompt lookup", "store": "datastore"}  # TreeOutcome.node_source -> words
 DEPTH_MARKS = 4  # underline styles for accepted guesses at depth 1, 2, 3 and 4+
 
 
@@ -46,7 +47,8 @@ def _source(record: StepRecord, node: int, copied: bool) -> tuple[str, int]:
     outcome = record.outcome
     path = outcome.tree.paths[node - 1]
     if copied:
-        return f"prompt lookup, depth {len(path)}", len(path)
+        drafter = CHAIN_NAMES.get(outcome.node_source(node), outcome.node_source(node))
+        return f"{drafter}, depth {len(path)}", len(path)
     return f"head {len(path)} rank {path[-1]} (joint p {outcome.node_scores[node]:.3g})", len(path)
 
 

@@ -15,7 +15,7 @@ from viz.labels import TokenBytes, escape, standalone_text, visible
 from viz.tree_plot import node_texts
 
 if TYPE_CHECKING:
-    from core.records import StepRecord
+    from core.records import StepRecord, TreeOutcome
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DepthCheck:
 
 def base_tops(record: StepRecord) -> list[int] | None:
     """The base model's argmax after each node, when the record carries it (-1 where not projected)."""
-    tops = list(getattr(record.outcome, "base_top_tokens", None) or [])
+    tops = list(record.outcome.base_top_tokens)
     return tops if len(tops) == len(record.outcome.node_tokens) else None
 
 
@@ -71,15 +71,16 @@ def verification(record: StepRecord, token_bytes: TokenBytes | None = None) -> l
         token = outcome.node_tokens[chosen] if chosen is not None else outcome.bonus_token
         if tops is not None and tops[parent] >= 0:
             token = tops[parent]
-        candidates = [Candidate(texts[n], _source(outcome.tree.paths[n - 1], n in copied), outcome.node_scores[n],
-                                n == chosen) for n in children]
+        candidates = [Candidate(texts[n], _source(outcome, n, n in copied), outcome.node_scores[n], n == chosen)
+                      for n in children]
         checks.append(DepthCheck(depth, texts[parent], _choice_text(token, known, token_bytes), candidates,
                                  chosen is not None))
     return checks
 
 
-def _source(path: tuple[int, ...], copied: bool) -> str:
-    return "◆ lookup" if copied else f"head {len(path)} rank {path[-1]}"
+def _source(outcome: TreeOutcome, node: int, copied: bool) -> str:
+    path = outcome.tree.paths[node - 1]
+    return f"◆ {outcome.node_source(node)}" if copied else f"head {len(path)} rank {path[-1]}"
 
 
 def _cell(candidate: Candidate) -> str:
