@@ -343,7 +343,8 @@ def test_custom_tree_is_used(url, plain_greedy):
     final = _call(client, "run", PROMPT_A, strategy="fixed", fixed_preset="custom",
                   custom_tree="[[0], [1], [0, 0], [0, 1], [0, 0, 0]]", max_new_tokens=6)
     summary = final[OUT["summary"]]
-    assert set(summary["nodes_per_step"]) == {5}
+    nodes = summary["nodes_per_step"]
+    assert nodes[0] == 5 and max(nodes) == 5  # the custom tree (core may shrink the last steps' trees to fit)
     assert summary["output_ids"] == plain_greedy(PROMPT_A, 6)
     assert summary["settings"]["custom_tree"] == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 
@@ -421,7 +422,7 @@ def test_session_cap_evicts_idle_sessions_and_memory_stays_bounded(tmp_path):
                 assert time.time() < deadline, "app.py did not come up"
                 time.sleep(0.5)
         rss_before = _rss_tree(process.pid)
-        small = {"max_new_tokens": 8}
+        small = {"max_new_tokens": 8, "precision": labstate.Settings().precision}  # the model main() preloads
         clients = [_client(url) for _ in range(5)]
         for i, client in enumerate(clients):  # five sessions, one after the other, on a cap of three
             view = _call(client, "step", f"Count to {i + 3}.", **small)
