@@ -243,7 +243,7 @@ def render(lab: LabState | None, index: int | None = None, message: str = "") ->
         run.runtime.base.decode(run.session.output_ids), _summary(run, stats, check, index), slider,
         tree_figure(record.outcome, _tree_title(run, record), note, token_bytes),
         _comparison(run, record, token_bytes), heads_html(record, token_bytes),
-        mask_figure(record.outcome, record.context_length), phase_figure(records, index),
+        mask_figure(record.outcome, record.context_length, token_bytes), phase_figure(records, index),
         accepted_figure(records, index), cumulative_figure(records, labstate.ar_baseline(lab, run)),
         verification_html(record, run.settings.greedy, token_bytes),
     )

@@ -423,6 +423,8 @@ def test_no_replacement_characters_where_tokens_complete_a_character():
     assert "\ufffd" not in heads and "‹0xD8›" in heads
     fig = tree_figure(record.outcome, "t", token_bytes=table)
     assert "\ufffd" not in json.dumps(fig.to_plotly_json()["data"], ensure_ascii=False)
+    mask = mask_figure(record.outcome, 5, table)
+    assert "\ufffd" not in json.dumps(mask.to_plotly_json(), ensure_ascii=False) and "3·ء" in mask.data[0].x
 
 
 def test_generated_tokens_name_their_source_and_depth():

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 import plotly.graph_objects as go
 
 from viz import style
-from viz.labels import token_label
+from viz.labels import TokenBytes, token_label
+from viz.tree_plot import node_texts
 
 if TYPE_CHECKING:
     from core.records import TreeOutcome
@@ -37,7 +38,8 @@ def _ticks(labels: list[str]) -> list[str]:
     return labels[::stride]
 
 
-def mask_figure(outcome: TreeOutcome, context_length: int | None = None) -> go.Figure:
+def mask_figure(outcome: TreeOutcome, context_length: int | None = None,
+                token_bytes: TokenBytes | None = None) -> go.Figure:
     """Heatmap of `outcome.tree.buffers().attn_mask`: row = query node, column = key node.
 
     Every node also sees all committed context tokens (not drawn); inside the tree a node sees
@@ -45,7 +47,7 @@ def mask_figure(outcome: TreeOutcome, context_length: int | None = None) -> go.F
     Hover text comes from the axis categories, so the figure stays small for 256 nodes.
     """
     mask = outcome.tree.buffers().attn_mask.tolist()  # [n+1][n+1] bool
-    texts = list(outcome.node_texts) if len(outcome.node_texts) == len(mask) else [f"#{t}" for t in outcome.node_tokens]
+    texts = node_texts(outcome, token_bytes)[0]  # whole characters where a node completes one
     labels = _node_labels(texts)
     z = mask_values(mask, list(outcome.accepted_nodes))
     size = len(mask)
