@@ -42,13 +42,14 @@ class AutoBudget:
         return [max(self.calibration.factor(len(path)) * draft.head_scores.get(path, 0.0),
                     draft.chain_scores.get(path, 0.0)) for path in draft.tree.paths]
 
-    def choose(self, draft: DraftTree, heads_used: bool) -> int:
-        """Nodes to keep (a prefix of the best-first order); updates the back-off when the heads ran."""
+    def choose(self, draft: DraftTree, heads_used: bool, context: int) -> int:
+        """Nodes to keep (a prefix of the best-first order) on top of a `context`-token cache;
+        updates the back-off when the heads ran."""
         tree = draft.tree
         size, rate = best_prefix(self.expected(draft), tree.depths[1:], self.profile,
-                                 self.overhead_ms(heads_used))
+                                 self.overhead_ms(heads_used), context=context)
         if heads_used:
-            self._update_backoff(size, rate)
+            self._update_backoff(size, rate, context)
         return size
 
     def observe(self, record: StepRecord) -> None:
@@ -70,8 +71,9 @@ class AutoBudget:
             accepted += 1
         self.calibration.update([outcome.tree.depths[n] for n in nodes], [head_scores[n] for n in nodes], accepted)
 
-    def _update_backoff(self, size: int, rate: float) -> None:
-        plain = self.measured_rate(heads_used=False) or plain_rate(self.profile, self.overhead_ms(heads_used=False))
+    def _update_backoff(self, size: int, rate: float, context: int) -> None:
+        plain = self.measured_rate(heads_used=False) or plain_rate(self.profile, self.overhead_ms(heads_used=False),
+                                                                   context)
         measured = self.measured_rate(heads_used=True)
         # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain
         # steps, or an expected rate far below plain, backs off for 16 steps; when no node is worth

@@ -52,7 +52,8 @@ class DecodeConfig:
     tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
     every dynamic step (for the side-by-side view; costs a second forward, never committed).
     lookup_tokens: dynamic only; when > 0, a prompt-lookup chain of up to this many tokens joins
-    the tree each step (`core.lookup`), and steps that skip the heads still verify it.
+    the tree each step (`core.lookup`), and steps that skip the heads still verify it;
+    `lookup_chains` > 1 adds what followed the same n-gram elsewhere as further branches.
     store_tokens: dynamic only; when > 0, the datastore of the model's own answers proposes up to
     `store_branches` continuations of up to this many tokens as branches (`core.datastore`).
     """
@@ -69,6 +70,7 @@ class DecodeConfig:
     record_texts: bool = True
     auto_budget: bool = False  # dynamic:auto: per step, the node count (<= budget) maximising tokens/s
     lookup_tokens: int = 0
+    lookup_chains: int = 1
     store_tokens: int = 0
     store_branches: int = 3
 
@@ -80,6 +82,7 @@ class DecodeConfig:
         _check_int("depth", self.depth, 1, 16)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS)
+        _check_int("lookup_chains", self.lookup_chains, 1, 8)
         _check_int("store_tokens", self.store_tokens, 0, MAX_LOOKUP_TOKENS)
         _check_int("store_branches", self.store_branches, 1, 8)
         if self.lookup_tokens and self.strategy != DYNAMIC:
@@ -159,7 +162,7 @@ class DecodeSession:
     def _chain_drafters(self, store: TokenStore | None) -> list[Drafter]:
         drafters: list[Drafter] = []
         if self.config.lookup_tokens:
-            drafters.append(LookupDrafter(self.config.lookup_tokens))
+            drafters.append(LookupDrafter(self.config.lookup_tokens, self.config.lookup_chains))
         if self.config.store_tokens:
             if store is None and self.base.config.name != DEFAULT_MODEL:
                 raise ValueError("the shipped datastore holds SmolLM2's token ids; pass a store built for this model")
@@ -299,7 +302,8 @@ class DecodeSession:
         if draft.tree.max_depth > max_depth:
             draft = draft.keep(max_depth=max_depth)
         if self.auto is not None:
-            draft = draft.keep(size=self.auto.choose(draft, heads_used=heads is not None))
+            context = cache_length(self.cache)
+            draft = draft.keep(size=self.auto.choose(draft, heads_used=heads is not None, context=context))
         return draft
 
     def _verify_and_accept(self, draft: DraftTree) -> tuple[TreeOutcome, VerifyOutput, float, float]:

@@ -19,7 +19,9 @@ from typing import Protocol, Sequence
 import torch
 
 from core.heads import MedusaHeads
-from core.lookup import ChainStats, lookup_draft
+from core.lookup import ChainStats, lookup_drafts
+
+MAX_CHAIN_TOKENS = 32
 from core.model import BaseModel
 
 
@@ -84,22 +86,36 @@ class HeadsDrafter:
 
 
 class LookupDrafter:
-    """Prompt lookup: copy what followed the latest earlier occurrence of the last n-gram."""
+    """Prompt lookup: copy what followed earlier occurrences of the text's last n-gram.
+
+    The latest longest match gives the main chain; the same n-gram matched elsewhere with a
+    different next token gives extra branches. Chains grow while copies run long: after a step
+    that accepted a whole chain the next ones are twice as long (up to `max_tokens * 4`, at most
+    32), and they shrink back once a chain is rejected early.
+    """
 
     name = "lookup"
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, max_tokens: int, chains: int = 1) -> None:
+        self.base_tokens = max_tokens
+        self.length = max_tokens
+        self.chains = chains
         self.stats = ChainStats()
 
     def propose(self, context: DraftContext) -> list[Chain] | None:
-        draft = lookup_draft(context.tokens, self.max_tokens)
-        if draft is None or not draft.tokens:
-            return None
-        return [Chain(tokens=draft.tokens, chances=self.stats.chances(draft.ngram, len(draft.tokens)),
-                      source=self.name, key=draft.ngram)]
+        drafts = lookup_drafts(context.tokens, self.length, self.chains)
+        return [Chain(tokens=d.tokens, chances=self.stats.chances(d.ngram, len(d.tokens)), source=self.name,
+                      key=d.ngram) for d in drafts] or None
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
                 accepted_tokens: Sequence[int]) -> None:
         for chain, depth in zip(proposed, verified_depths):
             self.stats.update(chain.key, chain.tokens, depth, accepted_tokens)
+        if proposed and verified_depths:
+            main, depth = proposed[0], verified_depths[0]
+            copied = next((i for i, (a, b) in enumerate(zip(main.tokens, accepted_tokens)) if a != b),
+                          min(len(main.tokens), len(accepted_tokens)))
+            if depth and copied >= depth == len(main.tokens):
+                self.length = min(2 * self.length, 4 * self.base_tokens, MAX_CHAIN_TOKENS)
+            elif copied < depth // 2:
+                self.length = self.base_tokens

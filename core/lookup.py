@@ -60,6 +60,34 @@ def lookup_draft(sequence: Sequence[int], max_tokens: int, max_ngram: int = MAX_
     return LookupDraft(tokens=list(sequence[best_end + 1:best_end + 1 + max_tokens]), ngram=best_length)
 
 
+def lookup_drafts(sequence: Sequence[int], max_tokens: int, max_chains: int,
+                  max_ngram: int = MAX_NGRAM) -> list[LookupDraft]:
+    """Up to `max_chains` continuations of earlier occurrences of the text's last n-gram, with
+    distinct first tokens: the longest match first, then the latest. The first one is
+    `lookup_draft`'s; the others are what followed the same n-gram elsewhere (branches)."""
+    size = len(sequence)
+    if max_tokens <= 0 or size < 2 or max_chains <= 0:
+        return []
+    last = sequence[-1]
+    ends = [i for i, token in enumerate(sequence[:-1]) if token == last]  # one C-speed pass
+    matches = []
+    for end in ends:
+        length = 1
+        while length < max_ngram and end - length >= 0 and sequence[end - length] == sequence[size - 1 - length]:
+            length += 1
+        matches.append((length, end))
+    drafts: list[LookupDraft] = []
+    firsts: set[int] = set()
+    for length, end in sorted(matches, key=lambda m: (-m[0], -m[1])):
+        tokens = list(sequence[end + 1:end + 1 + max_tokens])
+        if tokens and tokens[0] not in firsts:
+            firsts.add(tokens[0])
+            drafts.append(LookupDraft(tokens=tokens, ngram=length))
+            if len(drafts) == max_chains:
+                break
+    return drafts
+
+
 @dataclass
 class ChainStats:
     """How often a drafter's chains were accepted through depth d, kept per key (per session).

@@ -3,11 +3,13 @@
 On a GPU a tree of a few hundred nodes costs about what one token costs; on this 2-core CPU a
 64-node verify costs 3.9x one token in fp32 and 2.3x in bf16, while up to 4 tokens cost what
 one does. The best tree size therefore
-depends on the hardware. The profile measures the verify latency of n tokens on the current
+depends on the hardware, and on the context: attention over 1,500 cached tokens costs more than
+over 100. The profile measures the verify latency of n tokens over 100, 500 and 1,500 cached
+tokens (interpolated in both) on the current
 device (cached per device, model, precision and thread count); each step then keeps the
 prefix of the best-first node order that maximises expected tokens per second:
 
-    n* = argmax_n  (1 + sum_{i<n} c[depth_i] * score_i) / (cost(n + 1) + overhead)
+    n* = argmax_n  (1 + sum_{i<n} c[depth_i] * score_i) / (cost(n + 1, context) + overhead)
 
 where score_i is node i's joint head probability (its chance to be accepted if the heads are
 calibrated) and c[d] corrects it per depth from the acceptance observed so far. The decoder
@@ -33,52 +35,77 @@ import torch
 from transformers import DynamicCache
 
 from core.model import CACHE_DIR, SKINNY_MAX_ROWS, BaseModel
+from core.kvcache import truncate
 from core.tree import CandidateTree, chain_tree
 from core.verify import verify_tree
 
 PROFILE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PROFILE_CONTEXTS = (100, 500, 1500)  # context lengths (cached tokens) the cost is measured at
 
 
 @dataclass(frozen=True)
 class CostProfile:
-    """Median verify latency (ms) of `sizes[i]` tokens over a ~100-token context."""
+    """Median verify latency (ms) of `sizes[i]` tokens over a context of `contexts[0]` tokens
+    (`ms`), and over each longer context in `contexts[1:]` (`ms_by_context`, one row each)."""
 
     sizes: list[int]
     ms: list[float]
     device: str = ""
     model: str = ""
+    contexts: list[int] = field(default_factory=lambda: [PROFILE_CONTEXTS[0]])
+    ms_by_context: list[list[float]] = field(default_factory=list)
 
-    def cost(self, tokens: int) -> float:
-        """Interpolated latency of a verify over `tokens` tokens (root included)."""
-        if tokens <= self.sizes[0]:
-            return self.ms[0]
-        for (s0, m0), (s1, m1) in zip(zip(self.sizes, self.ms), zip(self.sizes[1:], self.ms[1:])):
-            if tokens <= s1:
-                return m0 + (m1 - m0) * (tokens - s0) / (s1 - s0)
-        slope = (self.ms[-1] - self.ms[-2]) / (self.sizes[-1] - self.sizes[-2])
-        return self.ms[-1] + slope * (tokens - self.sizes[-1])
+    def cost(self, tokens: int, context: int | None = None) -> float:
+        """Interpolated latency of a verify over `tokens` tokens (root included) on top of a
+        `context`-token cache (default: the first profiled context); linear in both."""
+        first = _interpolate(self.sizes, self.ms, tokens)
+        if context is None or not self.ms_by_context or context <= self.contexts[0]:
+            return first
+        costs = [first] + [_interpolate(self.sizes, row, tokens) for row in self.ms_by_context]
+        return max(first, _interpolate(self.contexts, costs, context))
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear y(x) through the points, extended by the last segment's slope."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (x - xs[-1])
 
 
 def _profile_key(base: BaseModel) -> str:
     # the kernel tag changes whenever the model's matmul path changes (cached costs go stale)
-    name = f"{base.source}|{torch.get_num_threads()}|{torch.__version__}|skinny{SKINNY_MAX_ROWS}"
+    name = f"{base.source}|{torch.get_num_threads()}|{torch.__version__}|skinny{SKINNY_MAX_ROWS}|ctx{PROFILE_CONTEXTS}"
     return hashlib.sha1(name.encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
-def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES, context: int = 100,
-                    repeats: int = 5) -> CostProfile:
-    """Time one verify of n nodes (a chain tree; cost depends on n, not on the shape)."""
-    prompt = torch.arange(1000, 1000 + context)
+def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES,
+                    contexts: tuple[int, ...] = PROFILE_CONTEXTS, repeats: int = 5) -> CostProfile:
+    """Time one verify of n nodes (a chain tree; cost depends on n, not on the shape) on top of
+    caches of each context length (one prefill per context; each verify is cropped off again)."""
+    contexts = tuple(c for c in contexts if c + max(sizes) < base.max_positions) or contexts[:1]
+    rows = [_measure_row(base, sizes, context, repeats) for context in contexts]
+    for low, high in zip(rows, rows[1:]):  # a longer context cannot be cheaper: smooth noise
+        high[:] = [max(a, b) for a, b in zip(low, high)]
+    return CostProfile(sizes=list(sizes), ms=rows[0], device=str(base.device), model=base.source,
+                       contexts=list(contexts), ms_by_context=rows[1:])
+
+
+def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats: int) -> list[float]:
+    prompt = torch.arange(1000, 1000 + context) % base.model.config.vocab_size
+    cache = DynamicCache()
+    base.model.model(input_ids=prompt[None].to(base.device), past_key_values=cache, use_cache=True)
     medians = []
     for size in sizes:
         tree = chain_tree(size - 1) if size > 1 else CandidateTree(paths=[])
         buffers = tree.buffers()
-        tokens = torch.arange(2000, 2000 + size)
+        tokens = torch.arange(2000, 2000 + size) % base.model.config.vocab_size
         times = []
         for _ in range(repeats):
-            cache = DynamicCache()
-            base.model.model(input_ids=prompt[None].to(base.device), past_key_values=cache, use_cache=True)
             if base.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -87,11 +114,12 @@ def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES, con
             if base.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(1000 * (time.perf_counter() - start))
+            truncate(cache, context)
         medians.append(statistics.median(times))
     # latency cannot fall with more tokens: smooth measurement noise
     for i in range(len(medians) - 2, -1, -1):
         medians[i] = min(medians[i], medians[i + 1])
-    return CostProfile(sizes=list(sizes), ms=medians, device=str(base.device), model=base.source)
+    return medians
 
 
 _MEASURING = threading.Lock()
@@ -138,21 +166,21 @@ class DepthCalibration:
 
 
 def best_prefix(scores: list[float], depths: list[int], profile: CostProfile, overhead_ms: float,
-                calibration: DepthCalibration | None = None) -> tuple[int, float]:
+                calibration: DepthCalibration | None = None, context: int | None = None) -> tuple[int, float]:
     """(n, expected tokens per ms) of the best prefix length n (0 = root only). Pure function.
 
     scores/depths: the best-first node order of a dynamic tree (any prefix is a valid tree).
     """
     expected = 1.0  # the bonus token always comes
-    best_n, best_rate = 0, expected / (profile.cost(1) + overhead_ms)
+    best_n, best_rate = 0, expected / (profile.cost(1, context) + overhead_ms)
     for n, (score, depth) in enumerate(zip(scores, depths), start=1):
         expected += score * (calibration.factor(depth) if calibration else 1.0)
-        rate = expected / (profile.cost(n + 1) + overhead_ms)
+        rate = expected / (profile.cost(n + 1, context) + overhead_ms)
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n, best_rate
 
 
-def plain_rate(profile: CostProfile, overhead_ms: float) -> float:
+def plain_rate(profile: CostProfile, overhead_ms: float, context: int | None = None) -> float:
     """Tokens per ms of plain decoding: one token per single-token forward, no heads."""
-    return 1.0 / (profile.cost(1) + overhead_ms)
+    return 1.0 / (profile.cost(1, context) + overhead_ms)

@@ -18,7 +18,7 @@ from labstate.runs import (PAUSED, READY, RUNNING, STOPPED, Prepared, Run, prepa
                            step_run, wait_idle)
 from labstate.runtime import _PROFILES, Runtime, cost_profile, measure_forward_seconds, runtime
 from labstate.sessions import LabState, SessionRegistry
-from labstate.settings import (AUTO_STRATEGY, CUSTOM_TREE, LOOKUP_STRATEGY, PRECISIONS, SETTING_NAMES,
+from labstate.settings import (AUTO_STRATEGY, CUSTOM_TREE, LOOKUP_STRATEGY, PRECISIONS, SETTING_NAMES, STORE_STRATEGY,
                                STRATEGY_HELP, STRATEGY_LABELS, UI_STRATEGIES, Settings, decode_config, fixed_choice,
                                parse_custom_tree, parse_settings)
 from core.tree import load_named_trees
@@ -28,7 +28,7 @@ __all__ = [
     "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check", "reference", "require_run",
     "speed_vs_plain", "sanitize_prompt", "PAUSED", "READY", "RUNNING", "STOPPED", "Prepared", "Run", "prepare",
     "start_prepared", "start_run", "step_run", "wait_idle", "_PROFILES", "Runtime", "cost_profile", "measure_forward_seconds",
-    "runtime", "LabState", "SessionRegistry", "AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "PRECISIONS",
+    "runtime", "LabState", "SessionRegistry", "AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "STORE_STRATEGY", "PRECISIONS",
     "SETTING_NAMES", "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "decode_config",
     "fixed_choice", "parse_custom_tree", "parse_settings", "load_named_trees",
 ]

@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 
 from core.accept import RULES, AcceptConfig
 from core.decoder import DecodeConfig
+from core.datastore import STORE_TOKENS
 from core.lookup import CHAIN_TOKENS
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
 from core.sampling import SamplingConfig
@@ -22,9 +23,11 @@ from labstate.limits import (MAX_BUDGET, MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_
 PRECISIONS = ("fp32", "bf16")
 AUTO_STRATEGY = f"{DYNAMIC}:auto"  # dynamic + DecodeConfig.auto_budget
 LOOKUP_STRATEGY = f"{DYNAMIC}:auto+lookup"  # the same plus a prompt-lookup chain in every tree
-UI_STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, AUTO_STRATEGY, LOOKUP_STRATEGY)
+STORE_STRATEGY = f"{DYNAMIC}:auto+lookup+store"  # and branches from the datastore of the model's own answers
+UI_STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY)
 STRATEGY_LABELS = {AUTOREGRESSIVE: "autoregressive", FIXED: "fixed", DYNAMIC: "dynamic",
-                   AUTO_STRATEGY: "dynamic (auto budget)", LOOKUP_STRATEGY: "dynamic (auto) + prompt lookup"}
+                   AUTO_STRATEGY: "dynamic (auto budget)", LOOKUP_STRATEGY: "dynamic (auto) + prompt lookup",
+                   STORE_STRATEGY: "dynamic (auto) + lookup + datastore"}
 STRATEGY_HELP = {
     AUTOREGRESSIVE: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
     FIXED: "Medusa's fixed tree: the same rank paths (the preset below) every step.",
@@ -34,6 +37,8 @@ STRATEGY_HELP = {
                    "tokens/s, from a verify-cost profile measured once per precision (5-10 s).",
     LOOKUP_STRATEGY: "Auto-sized dynamic tree plus prompt lookup: the tokens that followed the text's last words "
                      "where they appeared before join the tree as one more branch (◆).",
+    STORE_STRATEGY: "Auto-sized dynamic tree, prompt lookup, and a datastore of the model's own earlier answers: "
+                    "what most often followed the text's last words there joins the tree as up to 3 more branches.",
 }
 CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
 CUSTOM_TREE_EXAMPLE = "e.g. [[0], [1], [0, 0]]"
@@ -55,6 +60,7 @@ class Settings:
     compare_fixed: bool = True
     auto_budget: bool = True  # dynamic only: per step the node count (<= budget) with the best tokens/s
     lookup: bool = True  # dynamic only: a prompt-lookup chain joins every tree
+    store: bool = False  # dynamic only: datastore branches join every tree
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
 
     @property
@@ -64,6 +70,8 @@ class Settings:
     @property
     def ui_strategy(self) -> str:
         """The strategy as the panel and the API name it (dynamic:auto, dynamic:auto+lookup, ...)."""
+        if self.strategy == DYNAMIC and self.store:
+            return STORE_STRATEGY
         if self.strategy == DYNAMIC and self.lookup:
             return LOOKUP_STRATEGY
         if self.strategy == DYNAMIC and self.auto_budget:
@@ -75,7 +83,8 @@ class Settings:
         if self.strategy != DYNAMIC:
             return self.strategy
         label = f"dynamic (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
-        return label + " + prompt lookup" if self.lookup else label
+        label = label + " + prompt lookup" if self.lookup else label
+        return label + " + datastore" if self.store else label
 
     def raw(self) -> dict[str, object]:
         """The UI/API values, by name in SETTING_NAMES order (the inverse of `parse_settings`)."""
@@ -169,8 +178,9 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
     strategy = checked.pop("strategy")
     custom = checked.pop("custom_tree")
     paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
-    auto = strategy in (AUTO_STRATEGY, LOOKUP_STRATEGY)
-    return Settings(strategy=DYNAMIC if auto else strategy, auto_budget=auto, lookup=strategy == LOOKUP_STRATEGY,
+    auto = strategy in (AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY)
+    return Settings(strategy=DYNAMIC if auto else strategy, auto_budget=auto,
+                    lookup=strategy in (LOOKUP_STRATEGY, STORE_STRATEGY), store=strategy == STORE_STRATEGY,
                     custom_tree=paths, **checked)
 
 
@@ -258,5 +268,6 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
                           depth=settings.depth, fixed_tree=tree, accept=accept,
                           max_new_tokens=settings.max_new_tokens, compare_fixed=settings.compare_fixed and dynamic,
                           auto_budget=settings.auto_budget and dynamic,
-                          lookup_tokens=CHAIN_TOKENS if settings.lookup and dynamic else 0)
+                          lookup_tokens=CHAIN_TOKENS if settings.lookup and dynamic else 0,
+                          store_tokens=STORE_TOKENS if settings.store and dynamic else 0)
     return config, note if uses_fixed else ""

@@ -42,6 +42,18 @@ def test_greedy_fp32_equals_plain_generate(base_fp32, shipped_heads, plain_fp32,
         assert sum(len(r.new_tokens) for r in session.records) + 1 == len(session.output_ids)
 
 
+def test_greedy_fp32_with_every_drafter_equals_plain_generate(base_fp32, shipped_heads, plain_fp32):
+    """Heads, two prompt-lookup chains and datastore branches in one auto-sized tree: same text."""
+    config = DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=10, lookup_chains=2, store_tokens=8,
+                          max_new_tokens=NEW_TOKENS)
+    sources = set()
+    for prompt_ids, plain in plain_fp32[:3]:
+        session = decode(base_fp32, shipped_heads, prompt_ids, config)
+        assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
+        sources |= {r.outcome.node_source(n) for r in session.records for n in r.outcome.accepted_nodes[1:]}
+    assert "store" in sources  # the datastore's branches were accepted somewhere
+
+
 def test_greedy_fp32_random_heads_small_budget(base_fp32, random_heads, plain_fp32):
     """Wrong guesses everywhere, a small dynamic tree and top-m 4: still the same text."""
     prompt_ids, plain = plain_fp32[0]
@@ -140,6 +152,8 @@ def test_bad_sessions(base_fp32, shipped_heads):
         start_session(base_fp32, shipped_heads, "hi", DecodeConfig(depth=9))
     with pytest.raises(ValueError, match="context"):
         start_session(base_fp32, shipped_heads, list(range(9000)), DecodeConfig())
+    with pytest.raises(ValueError, match="datastore"):
+        DecodeConfig(strategy="fixed", store_tokens=8)
 
 
 def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt_bench_prompts):
@@ -156,7 +170,9 @@ def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt
             return base_fp32.lm_head(hidden)
 
     session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], DecodeConfig(strategy="dynamic", budget=7))
-    probs, ids = session._propose()
+    from core.drafters import DraftContext
+    proposal = session.heads_drafter.propose(DraftContext(tokens=session.output_ids, hidden=session.last_hidden))
+    probs, ids = proposal.probs, proposal.token_ids  # [K, m] each
     for budget in (7, ALL_ROWS_UP_TO + 8):
         tree = dynamic_tree(probs, budget)
         tokens = tree.node_tokens(session.root_token, ids)

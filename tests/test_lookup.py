@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.drafters import Chain
-from core.lookup import ChainStats, LookupDraft, lookup_draft
+from core.lookup import ChainStats, LookupDraft, lookup_draft, lookup_drafts
 from core.profile import CostProfile, best_prefix
 from core.tree import CandidateTree, dynamic_tree
 from core.tree_policy import chain_token_table, graft_chains
@@ -126,3 +126,32 @@ def test_several_chains_share_prefixes_and_every_prefix_is_a_tree(seed, budget, 
     siblings = [(p[:-1], tokens[grafted.node_index(p)]) for p in grafted.paths]
     assert len(siblings) == len(set(siblings))
     assert set(chain_scores) == {p for nodes in paths for p in nodes}
+
+
+def test_several_lookup_drafts_have_distinct_first_tokens_longest_match_first():
+    #           0  1  2  3  4  5  6  7  8  9  10 11 12
+    sequence = [1, 2, 3, 9, 2, 3, 8, 5, 3, 7, 4, 2, 3]
+    drafts = lookup_drafts(sequence, max_tokens=2, max_chains=3)
+    # "2 3" matched at 1..2 (then 9 2) and 4..5 (then 8 5): latest first; "3" alone at 8 (then 7 4)
+    assert drafts == [LookupDraft([8, 5], 2), LookupDraft([9, 2], 2), LookupDraft([7, 4], 1)]
+    assert drafts[0] == lookup_draft(sequence, max_tokens=2)
+    assert lookup_drafts(sequence, max_tokens=2, max_chains=1) == drafts[:1]
+    assert lookup_drafts([1, 2, 3], max_tokens=2, max_chains=3) == []
+
+
+def test_lookup_chains_grow_while_copies_run_long_and_shrink_after_a_miss():
+    from core.drafters import DraftContext, LookupDrafter
+
+    text = list(range(100)) * 2 + list(range(5))  # the text is copying itself
+    drafter = LookupDrafter(max_tokens=4, chains=2)
+    context = DraftContext(tokens=text, hidden=torch.zeros(1))
+    chains = drafter.propose(context)
+    assert [len(c.tokens) for c in chains] == [4] and chains[0].tokens == [5, 6, 7, 8]
+    drafter.observe(chains, [4], [5, 6, 7, 8])  # all of it was verified and accepted
+    assert len(drafter.propose(context)[0].tokens) == 8
+    drafter.observe(drafter.propose(context), [8], list(range(5, 13)))
+    assert len(drafter.propose(context)[0].tokens) == 16  # capped at 4x the base length
+    drafter.observe(drafter.propose(context), [16], list(range(5, 21)))
+    assert len(drafter.propose(context)[0].tokens) == 16
+    drafter.observe(drafter.propose(context), [16], [5, 99])  # rejected early: back to the base
+    assert len(drafter.propose(context)[0].tokens) == 4

@@ -71,3 +71,17 @@ def test_auto_falls_back_to_plain_steps_when_speculation_cannot_pay(base_fp32, s
     kinds = [r.strategy for r in auto.records]
     assert auto.output_ids == plain.output_ids
     assert kinds.count("autoregressive") >= len(kinds) // 2 and "dynamic" in kinds
+
+
+def test_cost_knows_the_context():
+    profile = CostProfile(sizes=[1, 64], ms=[20.0, 40.0], contexts=[100, 1500], ms_by_context=[[34.0, 82.0]])
+    assert profile.cost(1) == 20.0 and profile.cost(1, context=100) == 20.0
+    assert profile.cost(1, context=1500) == 34.0
+    assert profile.cost(64, context=800) == pytest.approx(61.0)  # halfway in context: (40 + 82) / 2
+    assert profile.cost(32, context=50) == profile.cost(32)  # shorter than profiled: the first row
+    assert profile.cost(64, context=2900) == pytest.approx(124.0)  # extended by the last slope
+    # a long context makes a big tree relatively cheaper or dearer: the choice follows the cost
+    scores = [0.5] * 8 + [0.05] * 56
+    short = best_prefix(scores, [1] * 64, profile, 1.0, context=100)
+    long = best_prefix(scores, [1] * 64, profile, 1.0, context=1500)
+    assert short[1] > long[1]  # fewer tokens per ms over the longer context
