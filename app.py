@@ -56,7 +56,7 @@ from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP, StepRecord
 from core.tree import load_named_trees
 from labstate import LabInputError, LabNotice, LabState, Run, Settings
-from viz.bench_plot import bench_figure, markdown_table, result_order
+from viz.bench_plot import bench_figure, category_table, markdown_table, result_order
 from viz.mask_plot import mask_figure
 from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text_html
 from viz.timing_plot import accepted_figure, cumulative_figure, phase_figure
@@ -708,6 +708,10 @@ def _benchmark_tab() -> None:
         gr.Markdown(f"#### {path.stem}: {count} prompts from `{Path(config['prompts']).name}`{cut}, "
                     f"{config['max_new_tokens']} new tokens, {config['dtype']}, {device}\n\n"
                     + markdown_table(result), elem_classes=["bench-table"])
+        per_category = category_table(result)
+        if per_category:
+            gr.Markdown("Per category, speed-up over plain decoding (worst prompt):\n\n" + per_category,
+                        elem_classes=["bench-table"])
         gr.Plot(bench_figure(result, path.stem), show_label=False)
 
 

@@ -39,8 +39,11 @@ class AutoBudget:
     def expected(self, draft: DraftTree) -> list[float]:
         """Expected acceptance of each node in best-first order: the heads' score corrected per
         depth by what was observed, or a chain's own estimate, whichever is larger."""
-        return [max(self.calibration.factor(len(path)) * draft.head_scores.get(path, 0.0),
-                    draft.chain_scores.get(path, 0.0)) for path in draft.tree.paths]
+        return [max(self._head_expected(path, draft.head_scores.get(path)), draft.chain_scores.get(path, 0.0))
+                for path in draft.tree.paths]
+
+    def _head_expected(self, path: tuple[int, ...], score: float | None) -> float:
+        return 0.0 if score is None else self.calibration.factor(len(path)) * score
 
     def choose(self, draft: DraftTree, heads_used: bool, context: int) -> int:
         """Nodes to keep (a prefix of the best-first order) on top of a `context`-token cache;

@@ -43,6 +43,7 @@ PHASES = ("heads", "tree", "verify", "accept", "commit")
 class Prompt:
     id: str
     text: str
+    category: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class BenchRow:
     identical_to_ar: bool | None = None
     first_divergence: int | None = None
     divergence_logit_gap: float | None = None  # ar's top-1 minus top-2 logit where the outputs part
+    category: str = ""
 
 
 def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0) -> list[Prompt]:
@@ -73,7 +75,8 @@ def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0
             continue
         row = json.loads(line)
         text = row["turns"][0] if "turns" in row else row["prompt"]
-        prompts.append(Prompt(id=str(row.get("question_id", row.get("id", number))), text=text))
+        prompts.append(Prompt(id=str(row.get("question_id", row.get("id", number))), text=text,
+                              category=str(row.get("category", ""))))
     prompts = prompts[offset::stride]
     return prompts[:limit] if limit else prompts
 
@@ -123,7 +126,7 @@ def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, stra
         output, seconds = run_hf(base, prompt_ids, strategy, max_new_tokens)
         return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(output), steps=len(output),
                         mean_accepted=float("nan"), seconds=seconds, tokens_per_s=len(output) / seconds,
-                        phase_seconds={}, output_ids=output), None
+                        phase_seconds={}, output_ids=output, category=prompt.category), None
     start = time.perf_counter()
     session = decode(base, heads, prompt_ids, strategy)
     seconds = time.perf_counter() - start
@@ -133,7 +136,7 @@ def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, stra
     return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(session.output_ids), steps=steps,
                     mean_accepted=session.tokens_per_step, seconds=seconds,
                     tokens_per_s=len(session.output_ids) / seconds, phase_seconds=phases,
-                    output_ids=session.output_ids), \
+                    output_ids=session.output_ids, category=prompt.category), \
         plain_margins(session) if strategy.strategy == AUTOREGRESSIVE else None
 
 
@@ -159,7 +162,28 @@ def summarise(rows: list[BenchRow], specs: list[str]) -> dict:
     if "ar" in summary and summary["ar"]["tokens_per_s"]:
         for spec in specs:
             summary[spec]["speedup_vs_ar"] = summary[spec]["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+            summary[spec].update(_ratios_to_ar(rows, spec))
     return summary
+
+
+def _ratios_to_ar(rows: list[BenchRow], spec: str) -> dict:
+    """Per-prompt speed-ups over `ar` (the worst and the median) and the speed-up per category."""
+    plain = {r.prompt_id: r for r in rows if r.strategy == "ar"}
+    mine = [r for r in rows if r.strategy == spec and r.prompt_id in plain]
+    ratios = {r.prompt_id: r.tokens_per_s / plain[r.prompt_id].tokens_per_s for r in mine}
+    by_category: dict[str, dict] = {}
+    for category in dict.fromkeys(r.category for r in mine if r.category):
+        ours = [r for r in mine if r.category == category]
+        theirs = [plain[r.prompt_id] for r in ours]
+        rate = sum(r.new_tokens for r in ours) / sum(r.seconds for r in ours)
+        plain_rate = sum(r.new_tokens for r in theirs) / sum(r.seconds for r in theirs)
+        by_category[category] = {"speedup_vs_ar": rate / plain_rate, "prompts": len(ours),
+                                 "min_prompt_speedup": min(ratios[r.prompt_id] for r in ours),
+                                 "mean_accepted": statistics.mean(r.mean_accepted for r in ours)
+                                 if all(r.mean_accepted == r.mean_accepted for r in ours) else None}
+    return {"min_prompt_speedup": min(ratios.values()) if ratios else None,
+            "median_prompt_speedup": statistics.median(ratios.values()) if ratios else None,
+            "by_category": by_category}
 
 
 def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs: list[str], config: DecodeConfig,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.decoder import DecodeConfig, decode
-from core.exactness import explain_divergence
+from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
 from core.profile import CostProfile
 from core.records import AUTOREGRESSIVE
 from labstate.errors import LabNotice
@@ -28,6 +28,7 @@ class Reference:
 
     output_ids: list[int]
     step_seconds: list[float]
+    margins: list[tuple[float, float]] = field(default_factory=list)  # top-1/top-2 logits behind each plain token
     gaps: dict[int, float] = field(default_factory=dict)  # divergence position -> plain top-2 logit gap
 
 
@@ -64,7 +65,8 @@ def reference(lab: LabState, run: Run) -> Reference:
                               record_texts=False)
         plain = decode(run.runtime.base, None, run.session.prompt_ids, config)
         lab.references[key] = Reference(output_ids=list(plain.output_ids),
-                                        step_seconds=[r.times.total for r in plain.records])
+                                        step_seconds=[r.times.total for r in plain.records],
+                                        margins=plain_margins(plain))
         while len(lab.references) > MAX_REFERENCES:
             lab.references.popitem(last=False)
     return lab.references[key]
@@ -78,7 +80,8 @@ def compute_check(lab: LabState, run: Run) -> None:
     ours = list(run.session.output_ids)
     position = _divergence(ours, ref.output_ids)
     if position is not None and position not in ref.gaps:
-        divergence = explain_divergence(run.runtime.base, run.session.prompt_ids, ref.output_ids, ours)
+        # the margin the plain run itself chose by (no fresh forward, which could round differently)
+        divergence = divergence_from_margins(ref.output_ids, ref.margins, ours)
         ref.gaps[position] = divergence.logit_gap if divergence else float("nan")
 
 
@@ -99,7 +102,11 @@ def greedy_check(lab: LabState, run: Run) -> GreedyCheck:
             return GreedyCheck("ok", f"identical ({len(ours)} tokens)")
         return GreedyCheck("ok", f"identical so far ({common} of {len(ref.output_ids)} tokens)")
     gap = ref.gaps[position]
-    return GreedyCheck("diff", f"differs at token {position + 1} (plain top-2 logit gap {gap:.3g})", position, gap)
+    steps = ""
+    if run.settings.precision == "bf16" and position < len(ref.margins):
+        steps = f" = {gap / bf16_rounding_step(ref.margins[position][0]):.0f} bf16 rounding steps"
+    return GreedyCheck("diff", f"differs at token {position + 1} (plain top-2 logit gap {gap:.3g}{steps}: "
+                               "a near-tie that tree and single-token forwards round differently)", position, gap)
 
 
 def require_run(lab: LabState | None) -> Run:

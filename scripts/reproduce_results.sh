@@ -26,5 +26,17 @@ $PY -m core.bench --prompts assets/data/mt_bench.jsonl --limit "$LIMIT" --stride
     --dtype fp32 --strategies $HYBRID --out $OUT/bench_mtbench_fp32_lookup.json
 $PY -m core.bench --prompts assets/data/adversarial.jsonl --max-new-tokens 64 \
     --dtype bf16 --strategies ar,dynamic:auto,dynamic:auto+lookup,dynamic:63 --out $OUT/bench_adversarial_bf16.json
+# the second evaluation set (translation, summarization, RAG, math, QA, extraction, code edits;
+# prompts of 10 to 1,400 tokens), and the drafters side by side on both sets
+DRAFTERS=ar,dynamic:auto,dynamic:auto+lookup,dynamic:auto+lookup+store,hf:prompt_lookup
+SPEC_STRIDE=${SPEC_STRIDE:-1}
+MT_STRIDE=${MT_STRIDE:-1}
+for DTYPE in bf16 fp32; do
+  $PY -m core.bench --prompts assets/data/spec_mix.jsonl --stride "$SPEC_STRIDE" --max-new-tokens 128 \
+      --dtype $DTYPE --strategies $DRAFTERS --out $OUT/bench_specmix_$DTYPE.json
+  $PY -m core.bench --prompts assets/data/mt_bench.jsonl --stride "$MT_STRIDE" --max-new-tokens 128 \
+      --dtype $DTYPE --strategies $DRAFTERS --out $OUT/bench_mtbench_drafters_$DTYPE.json
+done
 $PY -m viz.bench_plot $OUT/bench_mtbench_bf16.json $OUT/bench_mtbench_fp32.json $OUT/bench_mtbench_fp32_lookup.json \
-    $OUT/bench_adversarial_bf16.json --html $OUT/bench.html
+    $OUT/bench_adversarial_bf16.json $OUT/bench_mtbench_drafters_bf16.json $OUT/bench_mtbench_drafters_fp32.json \
+    $OUT/bench_specmix_bf16.json $OUT/bench_specmix_fp32.json --html $OUT/bench.html

@@ -244,7 +244,8 @@ def test_greedy_check_reports_a_divergence_with_its_logit_gap():
     labstate.compute_check(lab, run)
     check = labstate.greedy_check(lab, run)
     assert check.state == "diff" and check.position == 3
-    assert check.logit_gap is not None and 0 <= check.logit_gap < 1e4
+    top1, top2 = reference.margins[3]  # the gap is the plain run's own, as it chose token 4
+    assert check.logit_gap == pytest.approx(top1 - top2)
     assert "differs at token 4" in check.text
 
 
@@ -273,7 +274,7 @@ def test_render_draws_what_is_stored_and_never_decodes(monkeypatch):
         raise AssertionError("render decoded something")
 
     monkeypatch.setattr(labstate.plain, "decode", forbidden)
-    monkeypatch.setattr(labstate.plain, "explain_divergence", forbidden)
+    monkeypatch.setattr(labstate.plain, "divergence_from_margins", forbidden)
     view = app.render(lab)
     assert view[OUT["summary"]]["greedy_check"]["state"] == "pending"
     monkeypatch.undo()

@@ -71,3 +71,32 @@ def test_cli_saves_after_every_prompt_and_marks_the_run_complete(tmp_path, monke
     final = json.loads(out.read_text())
     assert final["complete"] is True and final["config"]["prompts_planned"] == 2
     assert final["summary"]["dynamic:auto"]["identical_to_ar"] == 1.0
+
+
+def test_summary_gives_the_worst_prompt_and_each_category():
+    rows = []
+    for pid, category, ar_s, tree_s in (("1", "math", 1.0, 0.5), ("2", "math", 1.0, 2.0), ("3", "qa", 2.0, 1.0)):
+        for spec, seconds in (("ar", ar_s), ("dynamic:auto", tree_s)):
+            rows.append(BenchRow(prompt_id=pid, strategy=spec, new_tokens=10, steps=5, mean_accepted=2.0,
+                                 seconds=seconds, tokens_per_s=10 / seconds, phase_seconds={}, output_ids=[],
+                                 category=category))
+    auto = summarise(rows, ["ar", "dynamic:auto"])["dynamic:auto"]
+    assert auto["min_prompt_speedup"] == pytest.approx(0.5)  # prompt 2: 5 tokens/s against 10
+    assert auto["median_prompt_speedup"] == pytest.approx(2.0)
+    math = auto["by_category"]["math"]
+    assert math["speedup_vs_ar"] == pytest.approx((20 / 2.5) / (20 / 2.0)) and math["min_prompt_speedup"] == 0.5
+    assert auto["by_category"]["qa"]["speedup_vs_ar"] == pytest.approx(2.0)
+    from viz.bench_plot import category_table
+    table = category_table({"summary": summarise(rows, ["ar", "dynamic:auto"])})
+    assert "| dynamic:auto | 0.80x (0.50x) | 2.00x (2.00x) |" in table
+
+
+def test_store_and_lookup_specs_parse():
+    from core.bench import parse_strategy
+    from core.decoder import DecodeConfig
+
+    config = parse_strategy("dynamic:auto+lookup+store", DecodeConfig())
+    assert config.auto_budget and config.lookup_tokens > 0 and config.store_tokens > 0
+    assert parse_strategy("dynamic:32+store", DecodeConfig()).lookup_tokens == 0
+    with pytest.raises(ValueError, match="only \\+lookup and \\+store"):
+        parse_strategy("dynamic:auto+magic", DecodeConfig())

@@ -37,9 +37,20 @@ def bench_figure(result: dict, title: str = "") -> go.Figure:
     figure.update_xaxes(tickangle=-35, tickfont={"size": 11})
     dtype = result.get("config", {}).get("dtype", "")
     count = result.get("config", {}).get("prompt_count") or result.get("config", {}).get("limit")
-    figure.update_layout(title={"text": title or f"MT-Bench, {dtype}, {count} prompts", "y": 0.97, "yanchor": "top"},
+    figure.update_layout(title={"text": title or f"{prompt_set_name(result)}, {dtype}, {count} prompts",
+                                "y": 0.97, "yanchor": "top"},
                          showlegend=False, height=460, margin=dict(t=90, b=140, l=50, r=20))
     return figure
+
+
+PROMPT_SETS = {"mt_bench": "MT-Bench", "spec_mix": "Spec mix (translation, summaries, RAG, math, QA, extraction, code)",
+               "adversarial": "Adversarial prompts"}
+
+
+def prompt_set_name(result: dict) -> str:
+    """The prompt set a result was measured on, in words (from its prompts file)."""
+    stem = Path(result.get("config", {}).get("prompts", "mt_bench")).stem
+    return PROMPT_SETS.get(stem, stem)
 
 
 def result_order(name: str) -> tuple[int, str]:
@@ -60,8 +71,9 @@ def phase_figure(result: dict) -> go.Figure:
 def markdown_table(result: dict) -> str:
     """One row per strategy: tokens/step, tokens/s, speed-up vs AR, ms per step, identical share, and
     the largest top-2 logit gap of AR at a divergence (small: a rounding near-tie)."""
-    lines = ["| strategy | tokens / step | tokens / s | vs plain | ms / step | same as plain | max gap at divergence |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| strategy | tokens / step | tokens / s | vs plain | worst prompt | ms / step | same as plain "
+             "| max gap at divergence |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         per_step = f"{s['mean_accepted']:.2f}" if s.get("mean_accepted") else "-"
         ms = f"{s['ms_per_step']:.1f}" if s.get("ms_per_step") else "-"
@@ -69,7 +81,24 @@ def markdown_table(result: dict) -> str:
         ratio = f"{s['speedup_vs_ar']:.2f}x" if s.get("speedup_vs_ar") else "-"
         gaps = s.get("divergence_logit_gaps") or []
         gap = f"{max(gaps):.3f} ({len(gaps)})" if gaps else "-"
-        lines.append(f"| {name} | {per_step} | {s['tokens_per_s']:.1f} | {ratio} | {ms} | {same} | {gap} |")
+        worst = f"{s['min_prompt_speedup']:.2f}x" if s.get("min_prompt_speedup") and name != "ar" else "-"
+        lines.append(f"| {name} | {per_step} | {s['tokens_per_s']:.1f} | {ratio} | {worst} | {ms} | {same} | {gap} |")
+    return "\n".join(lines)
+
+
+def category_table(result: dict) -> str:
+    """Speed-up over plain decoding per prompt category (rows: strategies), worst prompt in brackets."""
+    summary = {n: s for n, s in result["summary"].items() if s.get("by_category")}
+    categories = list(dict.fromkeys(c for s in summary.values() for c in s["by_category"]))
+    if not categories:
+        return ""
+    lines = ["| strategy | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
+    for name, s in summary.items():
+        if name == "ar":
+            continue
+        cells = [s["by_category"].get(c) for c in categories]
+        lines.append(f"| {name} | " + " | ".join(
+            f"{c['speedup_vs_ar']:.2f}x ({c['min_prompt_speedup']:.2f}x)" if c else "-" for c in cells) + " |")
     return "\n".join(lines)
 
 
