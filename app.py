@@ -674,7 +674,7 @@ def _settings_panel(num_heads: int) -> list[gr.components.Component]:
             "rule": gr.Radio(list(RULES), value=defaults["rule"], label="Acceptance rule", elem_id="rule"),
             "temperature": gr.Slider(0.0, labstate.MAX_TEMPERATURE, value=defaults["temperature"], step=0.05,
                                      label="Temperature (0 = greedy)", elem_id="temperature"),
-            "precision": gr.Radio([("bf16 (fast)", "bf16"), ("fp32 (exact)", "fp32")], value=defaults["precision"],
+            "precision": gr.Radio([("bf16 (fast on GPUs and AVX512-BF16 CPUs)", "bf16"), ("fp32 (exact)", "fp32")], value=defaults["precision"],
                                   label="Precision", elem_id="precision"),
             "max_new_tokens": gr.Slider(1, MAX_NEW_TOKENS, value=defaults["max_new_tokens"], step=1,
                                         label="Max new tokens", elem_id="max-new"),

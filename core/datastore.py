@@ -32,15 +32,16 @@ from core.model import REPO_ROOT
 
 KEY_TOKENS = 12  # suffixes are sorted on this many tokens: matches + continuations up to it
 MAX_MATCH = 6
-MIN_MATCH = 2
+MIN_MATCH = 3  # two-token matches are everywhere in 406k tokens and predict little
 STORE_TOKENS = 8  # the chain length the benchmark and the app use
 MAX_OCCURRENCES = 128  # occurrences read per search (the store's sort puts them in arbitrary order)
 SEPARATOR = -1  # between answers: no match or continuation crosses it
 SHIPPED_ANSWERS = REPO_ROOT / "assets" / "distill" / "distill.jsonl.gz"
 STORE_ENV = "MEDUSA_LAB_STORE"
-# prior chance that the most frequent continuation is right at depth 1, by match length
-STORE_PRIOR = {2: 0.3, 3: 0.4, 4: 0.5, 5: 0.55, 6: 0.6}
-STORE_DECAY = 0.85
+# prior chance that the most frequent continuation is right at depth 1, by match length: cautious,
+# since a too-hopeful prior makes every step verify branches that bf16 CPUs pay dearly for
+STORE_PRIOR = {3: 0.2, 4: 0.25, 5: 0.3, 6: 0.35}
+STORE_DECAY = 0.8
 
 
 class TokenStore:
@@ -62,6 +63,9 @@ class TokenStore:
 
     def __len__(self) -> int:
         return int((self.tokens != SEPARATOR).sum())
+
+    def __deepcopy__(self, memo: dict) -> "TokenStore":
+        return self  # read-only: forked sessions share one store
 
     def search(self, context: Sequence[int], max_match: int = MAX_MATCH) -> tuple[int, np.ndarray]:
         """(length, suffix positions) of the longest suffix of `context` (at most `max_match`

@@ -34,7 +34,7 @@ from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP, STRATEGIES, Pha
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
-from core.verify import VerifyOutput, forward_tokens, verify_tree
+from core.verify import VerifyOutput, forward_tokens, plain_step_bias, verify_tree
 
 MAX_BUDGET = 256
 MAX_TOP_M = 64
@@ -279,7 +279,8 @@ class DecodeSession:
         device = self.base.device
         context = cache_length(self.cache)
         t0 = _clock(device)
-        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]), None)
+        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),
+                             plain_step_bias(self.base, context))
         logits = out.row(0)  # [V] the logits belong to the forward, as in a tree step
         t1 = _clock(device)
         bonus = next_token(logits, self.config.accept.sampling, self.generator)

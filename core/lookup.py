@@ -35,36 +35,15 @@ class LookupDraft:
     ngram: int
 
 
-def lookup_draft(sequence: Sequence[int], max_tokens: int, max_ngram: int = MAX_NGRAM) -> LookupDraft | None:
-    """The continuation of the latest earlier occurrence of the last n tokens (longest n first).
-
-    `sequence` is the whole text so far (prompt and output, ending with the token the next
-    draft follows). None when no n-gram of 1..max_ngram tokens recurs or max_tokens is 0.
-    """
-    size = len(sequence)
-    if max_tokens <= 0 or size < 2:
-        return None
-    last = sequence[-1]
-    ends = [i for i, token in enumerate(sequence[:-1]) if token == last]  # one C-speed pass
-    best_length, best_end = 0, -1
-    for end in reversed(ends):  # latest first: recent text predicts the next tokens best
-        length = 1
-        while length < max_ngram and end - length >= 0 and sequence[end - length] == sequence[size - 1 - length]:
-            length += 1
-        if length > best_length:
-            best_length, best_end = length, end
-            if length == max_ngram:
-                break
-    if not best_length:
-        return None
-    return LookupDraft(tokens=list(sequence[best_end + 1:best_end + 1 + max_tokens]), ngram=best_length)
-
-
 def lookup_drafts(sequence: Sequence[int], max_tokens: int, max_chains: int,
                   max_ngram: int = MAX_NGRAM) -> list[LookupDraft]:
     """Up to `max_chains` continuations of earlier occurrences of the text's last n-gram, with
-    distinct first tokens: the longest match first, then the latest. The first one is
-    `lookup_draft`'s; the others are what followed the same n-gram elsewhere (branches)."""
+    distinct first tokens: the longest match first, then the latest (recent text predicts the
+    next tokens best); the others are what followed the same n-gram elsewhere (branches).
+
+    `sequence` is the whole text so far (prompt and output, ending with the token the drafts
+    follow). Empty when no n-gram of 1..max_ngram tokens recurs or max_tokens is 0.
+    """
     size = len(sequence)
     if max_tokens <= 0 or size < 2 or max_chains <= 0:
         return []

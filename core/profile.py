@@ -84,7 +84,7 @@ def _profile_key(base: BaseModel) -> str:
 
 @torch.inference_mode()
 def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES,
-                    contexts: tuple[int, ...] = PROFILE_CONTEXTS, repeats: int = 5) -> CostProfile:
+                    contexts: tuple[int, ...] = PROFILE_CONTEXTS, repeats: int = 3) -> CostProfile:
     """Time one verify of n nodes (a chain tree; cost depends on n, not on the shape) on top of
     caches of each context length (one prefill per context; each verify is cropped off again)."""
     contexts = tuple(c for c in contexts if c + max(sizes) < base.max_positions) or contexts[:1]

@@ -13,6 +13,7 @@ from core.accept import RULES, AcceptConfig
 from core.decoder import DecodeConfig
 from core.datastore import STORE_TOKENS
 from core.lookup import CHAIN_TOKENS
+from core.model import default_precision
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree, load_named_trees
@@ -21,6 +22,7 @@ from labstate.limits import (MAX_BUDGET, MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_
                              MAX_TEMPERATURE, MAX_TOP_M)
 
 PRECISIONS = ("fp32", "bf16")
+DEFAULT_PRECISION = default_precision()
 AUTO_STRATEGY = f"{DYNAMIC}:auto"  # dynamic + DecodeConfig.auto_budget
 LOOKUP_STRATEGY = f"{DYNAMIC}:auto+lookup"  # the same plus a prompt-lookup chain in every tree
 STORE_STRATEGY = f"{DYNAMIC}:auto+lookup+store"  # and branches from the datastore of the model's own answers
@@ -55,7 +57,7 @@ class Settings:
     fixed_preset: str = "mc_sim_7b_63"
     rule: str = "greedy"
     temperature: float = 0.0
-    precision: str = "bf16"
+    precision: str = DEFAULT_PRECISION  # bf16 where it is fast (GPU, AVX512-BF16), else fp32
     max_new_tokens: int = 128
     compare_fixed: bool = True
     auto_budget: bool = True  # dynamic only: per step the node count (<= budget) with the best tokens/s

@@ -44,3 +44,18 @@ def random_heads(base_fp32) -> MedusaHeads:
     for block in heads.heads:
         torch.nn.init.normal_(block[0].linear.weight, std=0.05)
     return heads.eval().requires_grad_(False)
+
+
+# The quick subset (`pytest -m "not slow"`): logic on tiny in-process models, trees, lookup, the
+# datastore, viz. Everything that loads the shipped model, serves the app or drives the browser,
+# and the 20,000-draw sampling statistics, is `slow`.
+SLOW_FIXTURES = {"base_fp32", "base_bf16", "shipped_heads", "random_heads", "plain_fp32", "mt_bench_prompts"}
+SLOW_MODULES = {"test_app", "test_browser", "test_robustness", "test_datagen", "test_train", "test_kernels",
+                "test_simulate", "test_sampling"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -43,15 +43,16 @@ def test_continuations_are_counted_and_stop_at_answer_ends():
 
 
 def test_drafter_chains_are_non_increasing_and_learn():
-    store = TokenStore([[1, 2, 3, 4, 5, 6]] * 5)
+    store = TokenStore([[0, 1, 2, 3, 4, 5, 6]] * 5)
     drafter = StoreDrafter(store, max_tokens=4)
-    chains = drafter.propose(DraftContext(tokens=[7, 1, 2], hidden=None))
+    assert drafter.propose(DraftContext(tokens=[7, 1, 2], hidden=None)) is None  # a 2-token match is too weak
+    chains = drafter.propose(DraftContext(tokens=[7, 0, 1, 2], hidden=None))
     assert chains[0].tokens == [3, 4, 5, 6]
     assert chains[0].chances == sorted(chains[0].chances, reverse=True)
     before = chains[0].chances[0]
     for _ in range(10):
         drafter.observe(chains, [4], [3, 4, 5, 6])
-    assert drafter.propose(DraftContext(tokens=[7, 1, 2], hidden=None))[0].chances[0] > before
+    assert drafter.propose(DraftContext(tokens=[7, 0, 1, 2], hidden=None))[0].chances[0] > before
 
 
 def test_decoding_with_the_store_is_exact_and_accepts_its_branches():
@@ -69,3 +70,12 @@ def test_decoding_with_the_store_is_exact_and_accepts_its_branches():
     from_store = sum(1 for r in stored.records for n in r.outcome.accepted_nodes[1:]
                      if r.outcome.node_source(n) == "store")
     assert from_store >= 10 and stored.tokens_per_step > 2
+
+
+def test_forks_share_the_read_only_store():
+    import copy
+
+    store = TokenStore([[1, 2, 3, 4]])
+    drafter = StoreDrafter(store, max_tokens=2)
+    twin = copy.deepcopy(drafter)
+    assert twin.store is store and twin.stats is not drafter.stats

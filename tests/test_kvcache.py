@@ -103,3 +103,19 @@ def test_truncate_drops_the_tail():
     truncate(cache, 18)
     assert cache_length(cache) == 18
     assert_same(cache, expected)
+
+
+def test_plain_step_mask_changes_the_kernel_not_the_result():
+    """A one-token step with the all-zero float mask gives what the unmasked step gives."""
+    from core.verify import forward_tokens
+    from tests.tiny import tiny_base
+
+    base = tiny_base("llama", max_positions=256)
+    prompt = torch.arange(40) % 256
+    outputs = []
+    for bias in (None, torch.zeros(1, 1, 1, 41)):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            forward_tokens(base, cache, prompt, torch.arange(40), None)
+            outputs.append(forward_tokens(base, cache, torch.tensor([7]), torch.tensor([40]), bias).row(0))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5)

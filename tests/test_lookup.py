@@ -7,11 +7,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.drafters import Chain
-from core.lookup import ChainStats, LookupDraft, lookup_draft, lookup_drafts
+from core.lookup import ChainStats, LookupDraft, lookup_drafts
 from core.profile import CostProfile, best_prefix
 from core.tree import CandidateTree, dynamic_tree
 from core.tree_policy import chain_token_table, graft_chains
 from tests.test_tree import check_invariants
+
+
+def lookup_draft(sequence: list[int], max_tokens: int) -> LookupDraft | None:
+    """The main chain: the latest longest match's continuation."""
+    drafts = lookup_drafts(sequence, max_tokens, max_chains=1)
+    return drafts[0] if drafts else None
 
 
 def test_draft_copies_after_the_latest_longest_match():
@@ -134,7 +140,6 @@ def test_several_lookup_drafts_have_distinct_first_tokens_longest_match_first():
     drafts = lookup_drafts(sequence, max_tokens=2, max_chains=3)
     # "2 3" matched at 1..2 (then 9 2) and 4..5 (then 8 5): latest first; "3" alone at 8 (then 7 4)
     assert drafts == [LookupDraft([8, 5], 2), LookupDraft([9, 2], 2), LookupDraft([7, 4], 1)]
-    assert drafts[0] == lookup_draft(sequence, max_tokens=2)
     assert lookup_drafts(sequence, max_tokens=2, max_chains=1) == drafts[:1]
     assert lookup_drafts([1, 2, 3], max_tokens=2, max_chains=3) == []
 
