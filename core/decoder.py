@@ -270,9 +270,8 @@ class DecodeSession:
         chains = []
         for drafter in self.chain_drafters:
             proposed = drafter.propose(context)
-            if proposed:
-                chains.append((drafter, [replace(c, tokens=c.tokens[:max_depth], chances=c.chances[:max_depth])
-                                         for c in proposed]))
+            if proposed:  # nodes deeper than max_depth are pruned with the tree's in `_build`
+                chains.append((drafter, proposed))
         return heads, chains
 
     def _step_autoregressive(self) -> StepRecord:

@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 import torch
 
 from core.heads import MedusaHeads
-from core.lookup import ChainStats, lookup_drafts
+from core.lookup import ChainStats, agreeing_prefix, lookup_drafts
 
 MAX_CHAIN_TOKENS = 32
 from core.model import BaseModel
@@ -113,8 +113,7 @@ class LookupDrafter:
             self.stats.update(chain.key, chain.tokens, depth, accepted_tokens)
         if proposed and verified_depths:
             main, depth = proposed[0], verified_depths[0]
-            copied = next((i for i, (a, b) in enumerate(zip(main.tokens, accepted_tokens)) if a != b),
-                          min(len(main.tokens), len(accepted_tokens)))
+            copied = agreeing_prefix(main.tokens, accepted_tokens)
             if depth and copied >= depth == len(main.tokens):
                 self.length = min(2 * self.length, 4 * self.base_tokens, MAX_CHAIN_TOKENS)
             elif copied < depth // 2:

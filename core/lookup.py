@@ -67,6 +67,12 @@ def lookup_drafts(sequence: Sequence[int], max_tokens: int, max_chains: int,
     return drafts
 
 
+def agreeing_prefix(chain: Sequence[int], accepted_tokens: Sequence[int]) -> int:
+    """How many leading tokens of `chain` the base model accepted."""
+    return next((i for i, (a, b) in enumerate(zip(chain, accepted_tokens)) if a != b),
+                min(len(chain), len(accepted_tokens)))
+
+
 @dataclass
 class ChainStats:
     """How often a drafter's chains were accepted through depth d, kept per key (per session).
@@ -98,9 +104,7 @@ class ChainStats:
     def update(self, key: int, tokens: Sequence[int], verified_depth: int, accepted_tokens: Sequence[int]) -> None:
         """Record one step: the chain `tokens` was verified through `verified_depth`;
         `accepted_tokens` are the tokens the base model accepted after the root (bonus excluded)."""
-        matched = 0
-        while matched < min(verified_depth, len(accepted_tokens)) and tokens[matched] == accepted_tokens[matched]:
-            matched += 1
+        matched = min(verified_depth, agreeing_prefix(tokens, accepted_tokens))
         for depth in range(1, verified_depth + 1):
             at = (key, depth)
             self.proposed[at] = self.proposed.get(at, 0.0) + 1.0
