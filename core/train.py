@@ -1,15 +1,20 @@
 """Training Medusa-1 heads on the frozen base model by self-distillation.
 
-    python -m core.train --data data/distill.jsonl --out assets/heads
+    python -m core.train --data data/distill_chat.jsonl --out assets/heads
 
-1. Features: one batched bf16 forward of the frozen base over prompt + answer gives the last
-   hidden state at every answer position, plus the base model's own top-32 next-token
-   distribution there (the soft target). Cached to disk.
+1. Features: the last hidden state at every answer position, plus the base model's own top-32
+   next-token distribution there (the soft target). Captured by the generator while it wrote
+   the answers (`core.datagen`); for older data without them, one batched forward of the
+   frozen base over prompt + answer (`--extract-missing`), cached to disk.
 2. Heads: head k (1-based) at position t learns the base distribution for token t+k+1 (the
    distribution the base model has at position t+k): cross-entropy to the renormalised top-32
    teacher probabilities, loss weight 0.8^(k-1). The base lm_head is shared and frozen.
 3. Evaluation: per-head top-1 / top-5 accuracy on the base model's fp32 greedy answers to the
-   80 MT-Bench questions (never trained on), written to `report.json` next to the weights.
+   80 MT-Bench questions and to the 63 prompts of the second set (never trained on), written to
+   `report.json` next to the weights.
+
+Training is resumable: a checkpoint (weights, optimiser, step) is written every few hundred
+steps under `data/checkpoints/` and picked up by a rerun with the same settings.
 """
 from __future__ import annotations
 
@@ -20,26 +25,31 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core.datagen import generate_batch
+from core.datagen import TEACHER_TOP, generate_batch, load_captured
 from core.heads import HeadsConfig, MedusaHeads
-from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16, load_base_model
 from core.simulate import head_proposals
 
-TEACHER_TOP = 32
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
+SECOND_SET = REPO_ROOT / "assets" / "data" / "spec_mix.jsonl"
+RESULTS = REPO_ROOT / "assets" / "results"
+CHECKPOINTS = REPO_ROOT / "data" / "checkpoints"
+CHECKPOINT_EVERY = 200  # optimiser steps between checkpoints
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Hyper-parameters of one training run (all recorded in the report)."""
 
-    data: str = "data/distill.jsonl"
+    data: str = "data/distill_chat.jsonl"  # comma-separated JSONL files of the generator
     out: str = "assets/heads"
+    family: str = "medusa"  # medusa (python -m core.train) | hydra (python -m core.train_hydra)
     num_heads: int = 4
     num_layers: int = 1
     epochs: float = 1.0
@@ -51,6 +61,7 @@ class TrainConfig:
     seed: int = 0
     eval_tokens: int = 128
     draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
+    extract_missing: bool = False  # rows without captured features: one forward each (slow)
 
 
 @dataclass
@@ -68,10 +79,23 @@ def load_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 
+def _answer_features(answer_ids: list[int], hidden: torch.Tensor, teacher_ids: torch.Tensor,
+                     teacher_probs: torch.Tensor) -> Features:
+    count = len(answer_ids)
+    return Features(hidden=hidden.to(torch.bfloat16), remaining=torch.arange(count - 1, -1, -1),
+                    tokens=torch.tensor(answer_ids), teacher_ids=teacher_ids.int(),
+                    teacher_probs=teacher_probs.half())
+
+
+def concat_features(parts: list[Features]) -> Features:
+    """One Features of many answers, in order (an answer's positions stay contiguous)."""
+    return Features(**{name: torch.cat([getattr(p, name) for p in parts]) for name in Features.__dataclass_fields__})
+
+
 @torch.inference_mode()
 def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8) -> Features:
     """One batched forward of the frozen base over each prompt + answer (right padded)."""
-    hidden, remaining, tokens, teacher_ids, teacher_probs = [], [], [], [], []
+    parts = []
     rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
     for start in tqdm(range(0, len(rows), batch_size), desc="features"):
         chunk = [r for r in rows[start:start + batch_size] if len(r["answer_ids"]) >= 2]
@@ -89,13 +113,54 @@ def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8) -> 
             first, count = len(row["prompt_ids"]) - 1, len(row["answer_ids"])
             region = states[i, first:first + count]  # [count, H]: hidden at t predicts answer[j]
             top = torch.topk(torch.softmax(base.lm_head(region).float(), dim=-1), TEACHER_TOP, dim=-1)
-            hidden.append(region.to(torch.bfloat16).cpu())
-            remaining.append(torch.arange(count - 1, -1, -1))
-            tokens.append(torch.tensor(row["answer_ids"]))
-            teacher_ids.append(top.indices.int().cpu())
-            teacher_probs.append(top.values.half().cpu())
-    return Features(hidden=torch.cat(hidden), remaining=torch.cat(remaining), tokens=torch.cat(tokens),
-                    teacher_ids=torch.cat(teacher_ids), teacher_probs=torch.cat(teacher_probs))
+            parts.append(_answer_features(row["answer_ids"], region.cpu(), top.indices.cpu(), top.values.cpu()))
+    return concat_features(parts)
+
+
+@dataclass
+class DataCard:
+    """What the training data holds (aggregate figures only: the text is never committed)."""
+
+    files: list[str]
+    answers: int
+    tokens: int
+    captured: int  # answers whose features the generator captured
+    extracted: int  # answers whose features were computed afterwards
+    sources: dict[str, int]  # answers per source family
+
+
+def load_training_features(base: BaseModel, paths: list[Path], extract_missing: bool) -> tuple[Features, DataCard]:
+    """Features of every answer in `paths`: captured ones as they are, the others extracted
+    (cached beside the file) when `extract_missing`, else skipped."""
+    parts: list[Features] = []
+    card = DataCard(files=[str(p) for p in paths], answers=0, tokens=0, captured=0, extracted=0, sources={})
+    for path in paths:
+        rows, found = load_captured(path)
+        rows = [r for r in rows if len(r["answer_ids"]) >= 2]
+        missing = [r for r in rows if r["id"] not in found]
+        for row in rows:
+            if row["id"] in found:
+                f = found[row["id"]]
+                parts.append(_answer_features(row["answer_ids"], f.hidden, f.teacher_ids, f.teacher_probs))
+        used = [r for r in rows if r["id"] in found]
+        card.captured += len(used)
+        if missing and extract_missing:
+            cache = path.with_suffix(".extracted.pt")
+            if cache.exists():
+                extracted = Features(**torch.load(cache, weights_only=True))
+            else:
+                extracted = extract_features(base, missing)
+                torch.save(asdict(extracted), cache)
+            parts.append(extracted)
+            used += missing
+            card.extracted += len(missing)
+        for row in used:
+            family = row["source"].split("/")[0]
+            card.sources[family] = card.sources.get(family, 0) + 1
+    features = concat_features(parts)
+    card.answers = card.captured + card.extracted
+    card.tokens = int(features.hidden.shape[0])
+    return features, card
 
 
 @dataclass(frozen=True)
@@ -104,40 +169,50 @@ class TrainVocab:
 
     weight: torch.Tensor  # [V', H]
     index_of: torch.Tensor  # [V] long: each vocabulary id's row in `weight`, -1 if not drafted
+    bf16: bool = False  # project under bf16 autocast (only where bf16 is fast: `core.model.fast_bf16`)
 
 
-def train_vocab(lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None) -> TrainVocab:
+def train_vocab(lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None, bf16: bool = False) -> TrainVocab:
     """A TrainVocab over `token_ids` [V'] (None: the whole vocabulary)."""
     vocab_size = lm_head_weight.shape[0]
+    weight = lm_head_weight.detach().float()
     if token_ids is None:
-        return TrainVocab(weight=lm_head_weight, index_of=torch.arange(vocab_size))
+        return TrainVocab(weight=weight, index_of=torch.arange(vocab_size), bf16=bf16)
     index_of = torch.full((vocab_size,), -1, dtype=torch.long)
     index_of[token_ids] = torch.arange(len(token_ids))
-    return TrainVocab(weight=lm_head_weight[token_ids].contiguous(), index_of=index_of)
+    return TrainVocab(weight=weight[token_ids].contiguous(), index_of=index_of, bf16=bf16)
+
+
+def draft_loss(states: torch.Tensor, vocab: TrainVocab, features: Features, target: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy of `states` [b, H] against the teacher at positions `target` [b],
+    over the draft vocabulary (a third of the lm_head rows: a third of the cost); teacher mass
+    on undrafted tokens is dropped and renormalised, never mapped to another id. Returns the
+    mean loss and, per row, whether the top-1 draft token is the model's own token there."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=vocab.bf16 and states.device.type == "cpu"):
+        logits = F.linear(states, vocab.weight)  # [b, V']
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    teacher = vocab.index_of[features.teacher_ids[target].long()]  # [b, 32], -1: not drafted
+    probs = features.teacher_probs[target].float() * (teacher >= 0)
+    probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-9)  # [b, 32]
+    loss = -(probs * log_probs.gather(1, teacher.clamp_min(0))).sum(dim=-1).mean()
+    hits = logits.argmax(dim=-1) == vocab.index_of[features.tokens[target]]  # undrafted target: -1, a miss
+    return loss, hits
 
 
 def head_loss(heads: MedusaHeads, vocab: TrainVocab, features: Features, index: torch.Tensor,
               decay: float) -> tuple[torch.Tensor, list[float]]:
     """Weighted soft cross-entropy over heads for positions `index`, and per-head top-1 accuracy.
 
-    The softmax runs over the draft vocabulary the heads rank at decode time (a third of the
-    lm_head rows: a third of the training cost); teacher mass on other tokens is dropped."""
+    Head k (0-based) at position j predicts answer[j+k+1], from the teacher at j+k+1."""
     hidden = features.hidden[index].float()  # [B, H]
     states = heads.head_states(hidden)  # [K, B, H]
     total = hidden.new_zeros(())
     accuracy = []
     for k in range(states.shape[0]):
         valid = features.remaining[index] > k  # target j+k+1 exists  [B]
-        target = index[valid] + k + 1  # teacher at position j+k+1 predicts answer[j+k+1]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=states.device.type == "cpu"):
-            logits = F.linear(states[k][valid], vocab.weight)  # [b, V']
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        teacher = vocab.index_of[features.teacher_ids[target].long()]  # [b, 32], -1: not drafted
-        probs = features.teacher_probs[target].float() * (teacher >= 0)
-        probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-9)  # [b, 32]
-        loss = -(probs * log_probs.gather(1, teacher.clamp_min(0))).sum(dim=-1).mean()
+        loss, hits = draft_loss(states[k][valid], vocab, features, index[valid] + k + 1)
         total = total + decay ** k * loss
-        hits = logits.argmax(dim=-1) == vocab.index_of[features.tokens[target]]
         accuracy.append(float(hits.float().mean()))
     return total, accuracy
 
@@ -152,54 +227,83 @@ def frequency_vocab(answer_tokens: torch.Tensor, size: int, vocab_size: int) -> 
     return order[:size].clone()
 
 
-def train_heads(base: BaseModel, features: Features, config: TrainConfig) -> MedusaHeads:
-    """AdamW with warm-up and cosine decay; a progress bar shows loss and per-head top-1.
-
-    The heads' draft vocabulary (`config.draft_vocab` most frequent answer tokens) only narrows
-    what they rank at decode time; training uses the whole vocabulary."""
+def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[float]]],
+        positions: int, config: TrainConfig, checkpoint: Path | None = None) -> torch.nn.Module:
+    """AdamW with warm-up and cosine decay over shuffled positions; a progress bar shows loss and
+    per-head top-1. With `checkpoint`, progress is saved every CHECKPOINT_EVERY steps and a run
+    with the same settings resumes from it."""
     torch.manual_seed(config.seed)
-    vocab_size = base.model.config.vocab_size
-    draft_size = min(config.draft_vocab, vocab_size)
-    heads = MedusaHeads(HeadsConfig(num_heads=config.num_heads, num_layers=config.num_layers,
-                                    hidden_size=base.model.config.hidden_size,
-                                    vocab_size=vocab_size, draft_vocab_size=draft_size))
-    heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
-    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    positions = features.hidden.shape[0] if not config.max_positions else min(config.max_positions, features.hidden.shape[0])
-    steps = max(1, int(config.epochs * positions / config.batch_size))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    used = positions if not config.max_positions else min(config.max_positions, positions)
+    steps = max(1, int(config.epochs * used / config.batch_size))
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(features.hidden.shape[0], generator=generator)[:positions]
-    bar = tqdm(range(steps), desc="training")
+    order = torch.randperm(positions, generator=torch.Generator().manual_seed(config.seed))[:used]
+    first = 0
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["config"] == asdict(config):
+            module.load_state_dict(saved["module"])
+            optimizer.load_state_dict(saved["optimizer"])
+            schedule.load_state_dict(saved["schedule"])
+            first = saved["step"]
+    bar = tqdm(range(first, steps), desc=f"training {config.family}", initial=first, total=steps)
     for step in bar:
-        offset = (step * config.batch_size) % positions
-        index = order[offset:offset + config.batch_size]
-        loss, accuracy = head_loss(heads, vocab, features, index, config.decay)
+        offset = (step * config.batch_size) % used
+        loss, accuracy = batch_loss(order[offset:offset + config.batch_size])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
+        if checkpoint is not None and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == steps):
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            partial = checkpoint.with_suffix(".partial")
+            torch.save({"config": asdict(config), "step": step + 1, "module": module.state_dict(),
+                        "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, partial)
+            partial.replace(checkpoint)
+    return module
+
+
+def train_heads(base: BaseModel, features: Features, config: TrainConfig,
+                checkpoint: Path | None = None) -> MedusaHeads:
+    """Medusa heads trained on `features`. The heads' draft vocabulary (`config.draft_vocab` most
+    frequent answer tokens) is what they rank at decode time and what the loss runs over."""
+    vocab_size = base.model.config.vocab_size
+    draft_size = min(config.draft_vocab, vocab_size)
+    torch.manual_seed(config.seed)
+    heads = MedusaHeads(HeadsConfig(num_heads=config.num_heads, num_layers=config.num_layers,
+                                    hidden_size=base.model.config.hidden_size,
+                                    vocab_size=vocab_size, draft_vocab_size=draft_size))
+    heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
+    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
+    fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay),
+        features.hidden.shape[0], config, checkpoint)
     return heads.eval().requires_grad_(False)
 
 
-def mt_bench_answers(base_fp32: BaseModel, max_new_tokens: int, cache: Path) -> list[dict]:
-    """The base model's fp32 greedy answers to the 80 MT-Bench first turns (cached), batched by 8."""
+def eval_answers(base_fp32: BaseModel, questions: Path, max_new_tokens: int, cache: Path) -> list[dict]:
+    """The base model's fp32 greedy answers to the first turn (or `prompt`) of every row of
+    `questions` (cached in `cache`), batched by 8: the held-out evaluation text."""
     if cache.exists():
         return load_rows(cache)
-    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    items = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
+    texts = [q["turns"][0] if "turns" in q else q["prompt"] for q in items]
     rows = []
-    for start in tqdm(range(0, len(questions), 8), desc="MT-Bench answers (fp32)"):
-        chunk = questions[start:start + 8]
-        answers = generate_batch(base_fp32, [q["turns"][0] for q in chunk], max_new_tokens, sample=False)
-        rows += [{"id": q.get("question_id"), "prompt_ids": base_fp32.chat_ids(q["turns"][0]), "answer_ids": a}
-                 for q, a in zip(chunk, answers)]
+    for start in tqdm(range(0, len(items), 8), desc=f"{questions.stem} answers (fp32)"):
+        answers = generate_batch(base_fp32, texts[start:start + 8], max_new_tokens, sample=False)
+        rows += [{"id": q.get("question_id", q.get("id")), "prompt_ids": base_fp32.chat_ids(text), "answer_ids": a}
+                 for q, text, a in zip(items[start:start + 8], texts[start:start + 8], answers)]
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+def held_out_sets(base_fp32: BaseModel, max_new_tokens: int) -> dict[str, list[dict]]:
+    """The two evaluation sets' greedy answers (committed under assets/results)."""
+    return {"mt_bench": eval_answers(base_fp32, MT_BENCH, max_new_tokens, RESULTS / "mt_bench_answers.jsonl"),
+            "second_set": eval_answers(base_fp32, SECOND_SET, max_new_tokens, RESULTS / "spec_mix_answers.jsonl")}
 
 
 @torch.inference_mode()
@@ -260,50 +364,81 @@ def calibrated_choices(accuracy: list[list[float]], budget: int) -> list[list[in
     return [list(p) for p in chosen]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in asdict(TrainConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    config = TrainConfig(**vars(parser.parse_args()))
+def _out_dir(config: TrainConfig) -> Path:
+    return REPO_ROOT / config.out if not Path(config.out).is_absolute() else Path(config.out)
+
+
+def _checkpoint(config: TrainConfig) -> Path:
+    return CHECKPOINTS / f"{config.family}-{Path(config.out).name}.pt"
+
+
+def parse_config(description: str, defaults: TrainConfig) -> TrainConfig:
+    """A TrainConfig from the command line (every field is a flag)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in asdict(defaults).items():
+        kind = (lambda text: text.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
+    return TrainConfig(**vars(parser.parse_args()))
+
+
+def run_training(config: TrainConfig, train: Callable[[BaseModel, Features, TrainConfig, Path], torch.nn.Module],
+                 evaluate: Callable[[BaseModel, torch.nn.Module, dict[str, list[dict]]], dict]) -> dict:
+    """Features -> `train` -> save -> `evaluate` on the held-out sets -> report.json; returns the report."""
     random.seed(config.seed)
+    times = {}
     started = time.time()
-    base = load_base_model(ModelConfig(dtype="bf16", device="cpu"))
-    feature_file = Path(config.data).with_suffix(".features.pt")
-    if feature_file.exists():
-        features = Features(**torch.load(feature_file, weights_only=True))
-    else:
-        features = extract_features(base, load_rows(Path(config.data)))
-        torch.save(asdict(features), feature_file)
-    feature_seconds = time.time() - started
-    heads = train_heads(base, features, config)
-    train_seconds = time.time() - started - feature_seconds
-    out = REPO_ROOT / config.out if not Path(config.out).is_absolute() else Path(config.out)
+    base = load_base_model(ModelConfig(dtype="fp32", device="cpu"))
+    paths = [REPO_ROOT / p if not Path(p).is_absolute() else Path(p) for p in config.data.split(",")]
+    features, card = load_training_features(base, paths, config.extract_missing)
+    times["features_s"] = round(time.time() - started, 1)
+    out = _out_dir(config)
+    heads = train(base, features, config, _checkpoint(config))
+    times["train_s"] = round(time.time() - started - times["features_s"], 1)
     heads.save(out)
-    base_fp32 = load_base_model(ModelConfig(dtype="fp32", device="cpu"))
-    eval_rows = mt_bench_answers(base_fp32, config.eval_tokens, Path(config.data).parent / "mt_bench_answers.jsonl")
-    accuracy = head_accuracy(base_fp32, heads, eval_rows)
-    report = {
-        "config": asdict(config),
-        "train_positions": int(features.hidden.shape[0]),
-        "train_answers_tokens": int(features.hidden.shape[0]),
-        "feature_seconds": round(feature_seconds, 1),
-        "train_seconds": round(train_seconds, 1),
-        "eval": "base fp32 greedy answers to the 80 MT-Bench first turns, "
-                f"{config.eval_tokens} new tokens, teacher-forced",
-        "eval_positions": sum(len(r["answer_ids"]) for r in eval_rows),
-        "draft_vocab": heads.config.draft_vocab_size,
-        "draft_vocab_coverage": draft_coverage(heads, eval_rows),
-        "topk_accuracy": accuracy,
-        "top1": [a[0] for a in accuracy],
-        "top5": [a[4] for a in accuracy],
-    }
+    eval_started = time.time()
+    sets = held_out_sets(base, config.eval_tokens)
+    report = evaluate(base, heads, sets)
+    times["eval_s"] = round(time.time() - eval_started, 1)
+    report = {"config": asdict(config), "data": asdict(card), "times": times, "cpu": cpu_name(),
+              "bf16_autocast": fast_bf16(), **report}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("times", "held_out")}, indent=1))
+    return report
+
+
+def main() -> None:
+    config = parse_config(__doc__, TrainConfig())
+    report = run_training(config, train_heads, medusa_report)
+    write_calibrated_tree(report["held_out"]["mt_bench"]["topk_accuracy"])
+
+
+def cpu_name() -> str:
+    """The CPU's model name (figures are only comparable on one machine)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def medusa_report(base: BaseModel, heads: MedusaHeads, sets: dict[str, list[dict]]) -> dict:
+    """Per-head top-k accuracy on each held-out set (teacher-forced)."""
+    held_out = {}
+    for name, rows in sets.items():
+        accuracy = head_accuracy(base, heads, rows)
+        held_out[name] = {"positions": sum(len(r["answer_ids"]) for r in rows),
+                          "draft_vocab_coverage": draft_coverage(heads, rows), "topk_accuracy": accuracy,
+                          "top1": [a[0] for a in accuracy], "top5": [a[4] for a in accuracy]}
+    return {"family": "medusa", "eval": "base fp32 greedy answers (128 new tokens), teacher-forced",
+            "draft_vocab": heads.config.draft_vocab_size, "held_out": held_out}
+
+
+def write_calibrated_tree(accuracy: list[list[float]]) -> None:
+    """Medusa's greedy tree construction from the shipped heads' MT-Bench accuracies, into trees.json."""
     trees_file = REPO_ROOT / "assets" / "trees.json"
     trees = json.loads(trees_file.read_text())
     trees["trees"]["calibrated"] = calibrated_choices(accuracy, 63)
     trees["calibrated_note"] = "calibrated: Medusa's greedy construction from the shipped heads' MT-Bench top-k accuracies"
     trees_file.write_text(json.dumps(trees) + "\n")
-    print(json.dumps({k: report[k] for k in ("top1", "top5", "feature_seconds", "train_seconds")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.drafters import Chain, HeadProposal
+from core.hydra import GrownTree
 from core.tree import CandidateTree, RankPath, dynamic_tree
 
 
@@ -91,10 +92,12 @@ def graft_chains(tree: CandidateTree, token_table: torch.Tensor, chains: list[Ch
     return CandidateTree(paths=order, scores=[scores[p] for p in order], kind=tree.kind), chain_paths, chain_scores
 
 
-def build_draft_tree(heads: HeadProposal | None, chains: list[Chain], budget: int, top_m: int, depth: int,
-                     fixed: CandidateTree | None = None) -> DraftTree:
-    """The step's tree: the fixed tree, or the dynamic tree of the heads' top-m marginals
-    (`budget` nodes, `depth` heads), with every chain grafted on."""
+def build_draft_tree(heads: HeadProposal | GrownTree | None, chains: list[Chain], budget: int, top_m: int,
+                     depth: int, fixed: CandidateTree | None = None) -> DraftTree:
+    """The step's tree: the fixed tree, the dynamic tree of the heads' top-m marginals
+    (`budget` nodes, `depth` heads), or the tree Hydra heads grew, with every chain grafted on."""
+    if isinstance(heads, GrownTree):
+        return _with_chains(heads.tree, heads.token_table, chains)
     head_ids = heads.token_ids if heads is not None else torch.zeros(0, top_m, dtype=torch.long)  # [D, m]
     if fixed is not None:
         scores = fixed.path_scores(heads.probs) if heads is not None else [0.0] * fixed.num_nodes
@@ -103,6 +106,11 @@ def build_draft_tree(heads: HeadProposal | None, chains: list[Chain], budget: in
         tree = dynamic_tree(heads.probs[:depth, :top_m], budget)
     else:
         tree = CandidateTree(paths=[], scores=[], kind="dynamic")
+    return _with_chains(tree, head_ids, chains)
+
+
+def _with_chains(tree: CandidateTree, head_ids: torch.Tensor, chains: list[Chain]) -> DraftTree:
+    """A heads' tree (token table [D, columns]) with every chain grafted on its own column."""
     head_scores = dict(zip(tree.paths, tree.scores or []))
     if not chains:
         return DraftTree(tree=tree, token_table=head_ids, head_scores=head_scores)

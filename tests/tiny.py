@@ -115,3 +115,18 @@ def greedy_reference(base: BaseModel, prompt_ids: Sequence[int], max_new_tokens:
         out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=eos)
     return out[0, ids.shape[1]:].tolist()
+
+
+def tiny_hydra(base: BaseModel, num_heads: int = 4, *, std: float = 0.05, seed: int = 0) -> "HydraHeads":
+    """Random non-zero Hydra heads over `base` (the whole vocabulary is their draft vocabulary)."""
+    from core.hydra import HydraConfig, HydraHeads
+    config = base.model.config
+    heads = HydraHeads(HydraConfig(num_heads=num_heads, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                                   draft_vocab_size=config.vocab_size, base_model=base.source))
+    heads.draft_vocab.copy_(torch.arange(config.vocab_size))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for head in heads.heads:
+            head.mix.weight.normal_(0.0, std, generator=generator)
+            head.blocks[0].linear.weight.normal_(0.0, std, generator=generator)
+    return heads.to(base.dtype).eval().requires_grad_(False)

@@ -1,0 +1,207 @@
+"""Hydra heads: draft heads that see the path they extend (after Ankner et al., 2024).
+
+Medusa's head k guesses the token k+1 places ahead from the hidden state alone, so a deep
+path multiplies guesses that never saw each other. Hydra's head k also reads the embeddings
+of the k tokens before its guess on the path (the root token, the base model's own next
+token, and the guesses at depths 1..k-1), so its guess is conditioned on that path:
+
+    head k:  x = h + Mix_k([h; e(root); e(t_1); ...; e(t_{k-1})])     Mix_k zero-initialised
+             x = ResBlock^L(x)                                           (x + SiLU(Linear(x)))
+             logits = lm_head_draft(x)                                   the base's frozen lm_head,
+                                                                         draft-vocabulary rows
+A fresh head is exactly a Medusa head at identity; training teaches it to use the path.
+
+The tree is grown by expansion (as EAGLE-2 grows and reranks its tree): depth by depth, one
+batched head call over the frontier (the `beam` best nodes of the depth by joint score),
+`width` children per frontier node scored parent score x conditional probability; the tree
+is the `budget` best nodes of everything grown, which is prefix-closed because a child never
+scores above its parent. The result is a `core.tree.CandidateTree` with a token table whose
+column at depth d is a node's index among that depth's kept nodes (not a rank: Hydra's
+children depend on their parent), so grafting, verification, acceptance and the KV commit
+are the ones every tree uses.
+
+On-disk format (`assets/hydra/`): `config.json` (HydraConfig) and `heads.safetensors` with
+`heads.{k}.mix.weight/bias`, `heads.{k}.blocks.{l}.linear.weight/bias` and `draft_vocab`
+(the token ids the heads rank, most frequent first).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from core.heads import DraftProjection, ResBlock
+from core.model import REPO_ROOT, linear_rows
+from core.tree import CandidateTree, RankPath
+
+DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
+
+
+@dataclass(frozen=True)
+class HydraConfig:
+    """Shape of a set of Hydra heads."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    hidden_size: int = 576
+    vocab_size: int = 49152
+    draft_vocab_size: int = 16384
+    base_model: str = "SmolLM2-135M-Instruct"
+
+
+class HydraHead(nn.Module):
+    """One head: the hidden state and `path_length` path-token embeddings -> a state to project."""
+
+    def __init__(self, hidden_size: int, path_length: int, num_layers: int) -> None:
+        super().__init__()
+        self.mix = nn.Linear((path_length + 1) * hidden_size, hidden_size)
+        nn.init.zeros_(self.mix.weight)
+        nn.init.zeros_(self.mix.bias)
+        self.blocks = nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])
+
+    def forward(self, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], path_embeds [..., k, H] -> [..., H]."""
+        mixed = torch.cat([hidden, path_embeds.flatten(-2)], dim=-1)  # [..., (k+1)H]
+        return self.blocks(hidden + self.mix(mixed))
+
+
+class HydraHeads(nn.Module):
+    """K Hydra heads; head k (1-based) reads k path tokens. Projection: the frozen lm_head."""
+
+    def __init__(self, config: HydraConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList(HydraHead(config.hidden_size, k, config.num_layers)
+                                   for k in range(1, config.num_heads + 1))
+        self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+
+    def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
+        """The lm_head rows the heads rank (build once per session, not per step)."""
+        if self.config.draft_vocab_size == 0:
+            return DraftProjection(weight=lm_head.weight, token_ids=None)
+        ids = self.draft_vocab.to(lm_head.weight.device)
+        return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids)  # [V', H]
+
+    def head_state(self, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
+        """Head `depth` (1-based) on hidden [..., H] and the path's embeddings [..., depth, H]."""
+        return self.heads[depth - 1](hidden, path_embeds)
+
+    def save(self, folder: Path) -> None:
+        """`heads.safetensors` + `config.json` (see the module docstring)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"heads.{k}": v.contiguous() for k, v in self.heads.state_dict().items()}
+        tensors["draft_vocab"] = self.draft_vocab.contiguous()
+        safetensors.torch.save_file(tensors, folder / "heads.safetensors")
+        (folder / "config.json").write_text(json.dumps({"family": "hydra", **asdict(self.config)}, indent=2) + "\n")
+
+
+def load_hydra_heads(folder: Path = DEFAULT_HYDRA_DIR, *, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> HydraHeads:
+    """Hydra heads saved by `HydraHeads.save`."""
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.pop("family", None) != "hydra":
+        raise ValueError(f"{folder} does not hold Hydra heads (its config.json says no \"family\": \"hydra\")")
+    config = HydraConfig(**raw)
+    heads = HydraHeads(config)
+    state = safetensors.torch.load_file(folder / "heads.safetensors")
+    draft_vocab = state.pop("draft_vocab", torch.zeros(0, dtype=torch.long))
+    if len(draft_vocab) != config.draft_vocab_size:
+        raise ValueError(f"{folder}: config says {config.draft_vocab_size} draft tokens, weights hold {len(draft_vocab)}")
+    heads.heads.load_state_dict({key.removeprefix("heads."): value for key, value in state.items()})
+    heads.draft_vocab.copy_(draft_vocab)
+    return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def default_hydra_heads(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> HydraHeads | None:
+    """The shipped Hydra heads, or None when none are shipped."""
+    if not (DEFAULT_HYDRA_DIR / "heads.safetensors").exists():
+        return None
+    return load_hydra_heads(DEFAULT_HYDRA_DIR, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class GrownTree:
+    """A tree a path-aware drafter grew node by node, in best-first order.
+
+    `token_table[d-1, c]` is the token of the node at depth d whose path ends in column c;
+    `probs`/`token_ids` are the heads' conditional top-m along the best path (for the heads
+    table: what head d guessed after the best guesses before it)."""
+
+    tree: CandidateTree  # scores: joint probability (product of conditionals along the path)
+    token_table: torch.Tensor  # [D, columns] long
+    probs: torch.Tensor  # [D, m]
+    token_ids: torch.Tensor  # [D, m]
+
+
+@dataclass
+class _Node:
+    path: tuple[int, ...]  # creation columns, root excluded
+    tokens: tuple[int, ...]  # tokens from depth 1 down to this node
+    score: float
+
+
+def _children(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjection, hidden: torch.Tensor,
+              paths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head `paths.shape[1]`'s top-`width` (probabilities, ids) after each path [B, d] (root first)."""
+    depth = paths.shape[1]
+    states = heads.head_state(depth, hidden.expand(len(paths), -1), embed(paths))  # [B, H]
+    logits = linear_rows(states, projection.weight)  # [B, V']
+    top = torch.topk(torch.softmax(logits.float(), dim=-1), width, dim=-1)  # [B, width]
+    ids = top.indices if projection.token_ids is None else projection.token_ids[top.indices]
+    return top.values.cpu(), ids.cpu()
+
+
+@torch.inference_mode()
+def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjection, hidden: torch.Tensor,
+              root_token: int, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
+    """The `budget` best nodes of a tree grown depth by depth from `root_token` (module docstring).
+
+    hidden: [H] the base model's hidden state that predicted the root. One batched head call
+    per depth over at most `beam` frontier nodes, `width` children each."""
+    depth = min(depth, heads.config.num_heads)
+    device = hidden.device
+    grown: list[_Node] = []
+    frontier = [_Node(path=(), tokens=(), score=1.0)]
+    greedy_probs, greedy_ids = [], []
+    for level in range(1, depth + 1):
+        paths = torch.tensor([(root_token,) + node.tokens for node in frontier], device=device)  # [B, level]
+        probs, ids = _children(heads, embed, projection, hidden[None].to(next(heads.parameters()).dtype),
+                               paths, width)  # [B, width] each
+        greedy_probs.append(probs[0])
+        greedy_ids.append(ids[0])
+        level_nodes = []
+        for parent, row_probs, row_ids in zip(frontier, probs.tolist(), ids.tolist()):
+            for p, token in zip(row_probs, row_ids):
+                level_nodes.append(_Node(path=parent.path + (len(level_nodes),), tokens=parent.tokens + (token,),
+                                         score=parent.score * p))
+        grown += level_nodes
+        # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed
+        frontier = sorted(level_nodes, key=lambda n: -n.score)[: min(beam, budget)]
+    return _best_first(grown, budget, torch.stack(greedy_probs), torch.stack(greedy_ids))
+
+
+def _best_first(grown: list[_Node], budget: int, greedy_probs: torch.Tensor, greedy_ids: torch.Tensor) -> GrownTree:
+    """The `budget` best grown nodes (parents first on ties), columns renumbered per depth."""
+    kept = sorted(grown, key=lambda n: (-n.score, len(n.path)))[:budget]
+    columns: dict[tuple[int, ...], RankPath] = {(): ()}
+    used_per_depth: dict[int, int] = {}
+    rows: dict[int, list[int]] = {}
+    # parents before children: renumber in order of depth, then score, so columns read best first
+    for node in sorted(kept, key=lambda n: (len(n.path), -n.score)):
+        depth = len(node.path)
+        column = used_per_depth.get(depth, 0)
+        used_per_depth[depth] = column + 1
+        columns[node.path] = columns[node.path[:-1]] + (column,)
+        rows.setdefault(depth, []).append(node.tokens[-1])
+    depth_count = max(rows, default=0)
+    table = torch.zeros(depth_count, max((len(r) for r in rows.values()), default=0), dtype=torch.long)  # [D, cols]
+    for depth, tokens in rows.items():
+        table[depth - 1, : len(tokens)] = torch.tensor(tokens)
+    tree = CandidateTree(paths=[columns[n.path] for n in kept], scores=[n.score for n in kept], kind="hydra")
+    return GrownTree(tree=tree, token_table=table, probs=greedy_probs, token_ids=greedy_ids)

@@ -1,0 +1,188 @@
+"""Training Hydra heads on the same self-distillation features as the Medusa heads.
+
+    python -m core.train_hydra --data data/distill_chat.jsonl --out assets/hydra
+
+Head k (1-based) at answer position j reads the hidden state that predicted answer[j] (the
+step's root) and the embeddings of answer[j..j+k-1] (teacher-forced: the model's own greedy
+tokens are the path), and learns the base model's distribution for answer[j+k] over the
+draft vocabulary (the loss of `core.train.draft_loss`), weight decay^(k-1).
+
+Evaluation on the held-out answers, per depth: top-k given the true path (what counts on an
+accepted path), top-1 fed the heads' own greedy guesses, and tokens per step of the grown tree
+at several budgets beside the Medusa heads' dynamic tree on the same answers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from core.heads import MedusaHeads, default_heads
+from core.hydra import GrownTree, HydraConfig, HydraHeads, grow_tree
+from core.model import BaseModel, fast_bf16
+from core.simulate import TreeSpec, simulate
+from core.tree import CandidateTree
+from core.train import (Features, TrainConfig, draft_coverage, draft_loss, fit, frequency_vocab, parse_config,
+                        run_training, TrainVocab, train_vocab)
+
+BUDGETS = (8, 16, 32, 64, 128)
+BEAM = 16
+WIDTH = 16
+
+
+def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor, features: Features, index: torch.Tensor,
+               decay: float) -> tuple[torch.Tensor, list[float]]:
+    """Weighted soft cross-entropy of every head at positions `index`, and per-head top-1."""
+    hidden = features.hidden[index].float()  # [B, H]
+    total = hidden.new_zeros(())
+    accuracy = []
+    for k in range(1, heads.config.num_heads + 1):
+        valid = features.remaining[index] >= k  # answer[j+k] exists  [B]
+        rows = index[valid]  # [b]
+        path = features.tokens[rows[:, None] + torch.arange(k)]  # [b, k]: answer[j..j+k-1]
+        states = heads.head_state(k, hidden[valid], embed_weight[path])  # [b, H]
+        loss, hits = draft_loss(states, vocab, features, rows + k)
+        total = total + decay ** (k - 1) * loss
+        accuracy.append(float(hits.float().mean()))
+    return total, accuracy
+
+
+def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
+                checkpoint: Path | None = None) -> HydraHeads:
+    """Hydra heads trained on `features` (draft vocabulary: the most frequent answer tokens)."""
+    vocab_size = base.model.config.vocab_size
+    draft_size = min(config.draft_vocab, vocab_size)
+    torch.manual_seed(config.seed)
+    heads = HydraHeads(HydraConfig(num_heads=config.num_heads, num_layers=config.num_layers,
+                                   hidden_size=base.model.config.hidden_size, vocab_size=vocab_size,
+                                   draft_vocab_size=draft_size))
+    heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
+    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab, bf16=fast_bf16())
+    embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
+    fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay),
+        features.hidden.shape[0], config, checkpoint)
+    return heads.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def _answer_hidden(base: BaseModel, row: dict) -> torch.Tensor:
+    """[L, H] the hidden state that predicts answer[j], for every j (one teacher-forced forward)."""
+    seq = torch.tensor([row["prompt_ids"] + row["answer_ids"]], device=base.device)
+    hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
+    first = len(row["prompt_ids"]) - 1
+    return hidden[first:first + len(row["answer_ids"])]
+
+
+@torch.inference_mode()
+def hydra_accuracy(base: BaseModel, heads: HydraHeads, rows: list[dict], top: int = 10
+                   ) -> tuple[list[list[float]], list[float]]:
+    """(acc[k][r]: head k+1's target within its top-(r+1) given the true path; own[k]: head k+1's
+    top-1 right when fed the heads' own greedy guesses as the path)."""
+    embed = base.model.get_input_embeddings()
+    projection = heads.draft_projection(base.lm_head)
+    depth = heads.config.num_heads
+    hits, own_hits, counts = torch.zeros(depth, top), torch.zeros(depth), torch.zeros(depth)
+    for row in rows:
+        answer = torch.tensor(row["answer_ids"])  # [L]
+        hidden = _answer_hidden(base, row)  # [L, H]
+        own_path = answer[:, None]  # [L, 1] the root
+        for k in range(1, depth + 1):
+            valid = len(answer) - k  # positions j with a target answer[j+k]
+            if valid <= 0:
+                break
+            true_path = torch.stack([answer[i:i + valid] for i in range(k)], dim=-1)  # [valid, k]
+            target = answer[k:k + valid]  # [valid]
+            ranked = _top_ids(heads, k, hidden[:valid], embed(true_path), projection, top)  # [valid, top]
+            hits[k - 1] += (ranked == target[:, None]).cumsum(1).clamp(max=1).sum(0).float()
+            guesses = _top_ids(heads, k, hidden, embed(own_path), projection, 1)[:, 0]  # [L]
+            own_hits[k - 1] += (guesses[:valid] == target).sum()
+            counts[k - 1] += valid
+            own_path = torch.cat([own_path, guesses[:, None]], dim=-1)  # [L, k+1]
+    return (hits / counts.clamp_min(1)[:, None]).tolist(), (own_hits / counts.clamp_min(1)).tolist()
+
+
+def _top_ids(heads: HydraHeads, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor, projection, top: int
+             ) -> torch.Tensor:
+    states = heads.head_state(depth, hidden.to(path_embeds.dtype), path_embeds)  # [n, H]
+    ids = torch.topk(states @ projection.weight.T, top, dim=-1).indices  # [n, top]
+    return ids if projection.token_ids is None else projection.token_ids[ids]
+
+
+def _accepted_depth(grown: GrownTree, answer: list[int], start: int) -> int:
+    """How many of answer[start+1:] the grown tree's nodes match, following one path from the root."""
+    table = grown.token_table.tolist()
+    child = {(path[:-1], table[len(path) - 1][path[-1]]): path for path in grown.tree.paths}
+    path: tuple[int, ...] = ()
+    depth = 0
+    while start + depth + 1 < len(answer):
+        found = child.get((path, answer[start + depth + 1]))
+        if found is None:
+            break
+        path, depth = found, depth + 1
+    return depth
+
+
+@torch.inference_mode()
+def hydra_tokens_per_step(base: BaseModel, heads: HydraHeads, rows: list[dict], budgets=BUDGETS,
+                          beam: int = BEAM, width: int = WIDTH) -> dict[str, float]:
+    """Exact greedy simulation (as `core.simulate`) of the grown tree at each budget: mean tokens per step."""
+    embed = base.model.get_input_embeddings()
+    projection = heads.draft_projection(base.lm_head)
+    totals = {b: [0, 0] for b in budgets}
+    for row in tqdm(rows, desc="hydra simulate"):
+        answer = row["answer_ids"]
+        hidden = _answer_hidden(base, row)  # [L, H]
+        grown_at: dict[int, GrownTree] = {}
+        for budget in budgets:
+            i, steps, emitted = 0, 0, 0
+            while i < len(answer) - 1:
+                if i not in grown_at:
+                    grown_at[i] = grow_tree(heads, embed, projection, hidden[i], answer[i], budget=max(budgets),
+                                            width=width, beam=beam, depth=heads.config.num_heads)
+                grown = grown_at[i]
+                accepted = _accepted_depth(_cut(grown, budget), answer, i)
+                step = min(accepted + 1, len(answer) - 1 - i)
+                steps, emitted, i = steps + 1, emitted + step, i + step
+            totals[budget][0] += steps
+            totals[budget][1] += emitted
+    return {f"hydra:{b}": e / s for b, (s, e) in totals.items() if s}
+
+
+def _cut(grown: GrownTree, budget: int) -> GrownTree:
+    """The first `budget` nodes of a grown tree (the same growth: beam <= budget is not re-applied)."""
+    tree = CandidateTree(paths=grown.tree.paths[:budget], scores=grown.tree.scores[:budget], kind="hydra")
+    return GrownTree(tree=tree, token_table=grown.token_table, probs=grown.probs, token_ids=grown.token_ids)
+
+
+def hydra_report(base: BaseModel, heads: nn.Module, sets: dict[str, list[dict]]) -> dict:
+    """Accuracy per depth (true path and own guesses) and tokens per step, beside the shipped
+    Medusa heads' dynamic tree on the same answers."""
+    medusa, _ = default_heads(base.model.config.hidden_size, base.model.config.vocab_size)
+    held_out = {}
+    for name, rows in sets.items():
+        accuracy, own = hydra_accuracy(base, heads, rows)
+        tokens = hydra_tokens_per_step(base, heads, rows)
+        tokens.update(_medusa_tokens(base, medusa, rows))
+        held_out[name] = {"positions": sum(len(r["answer_ids"]) for r in rows),
+                          "draft_vocab_coverage": draft_coverage(heads, rows), "topk_accuracy": accuracy,
+                          "top1": [a[0] for a in accuracy], "top5": [a[4] for a in accuracy],
+                          "top1_own_guesses": own, "tokens_per_step": tokens}
+    return {"family": "hydra", "eval": "base fp32 greedy answers (128 new tokens), teacher-forced; "
+            f"tree grown with beam {BEAM}, {WIDTH} children per node", "draft_vocab": heads.config.draft_vocab_size,
+            "held_out": held_out}
+
+
+def _medusa_tokens(base: BaseModel, medusa: MedusaHeads, rows: list[dict]) -> dict[str, float]:
+    specs = [TreeSpec(label=f"medusa dynamic:{b}", budget=b) for b in BUDGETS]
+    return simulate(base, medusa, rows, specs)
+
+
+def main() -> None:
+    config = parse_config(__doc__, TrainConfig(out="assets/hydra", family="hydra"))
+    run_training(config, train_hydra, hydra_report)
+
+
+if __name__ == "__main__":
+    main()

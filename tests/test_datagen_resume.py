@@ -1,0 +1,97 @@
+"""The generator survives interruption: no conversation lost or duplicated, every written answer
+has the features captured while it was written (tiny in-process model, no package, no network)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import core.datagen as datagen
+from core.datagen import GenConfig, answer_prompts, generate_batch, generate_with_features, load_captured
+from core.train import Features, load_training_features
+from tests.tiny import tiny_base
+
+PROMPTS = [{"id": f"p{i}", "prompt": "tell me about " + "abcdefghijklmnop"[: 3 + i], "source": "test/x"}
+           for i in range(7)]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base("llama")
+
+
+def _config(tmp_path) -> GenConfig:
+    return GenConfig(out=tmp_path / "gen.jsonl", max_new_tokens=6, batch_size=3)
+
+
+def _reference(base, tmp_path) -> dict[str, list[int]]:
+    clean = GenConfig(out=tmp_path / "clean.jsonl", max_new_tokens=6, batch_size=3)
+    answer_prompts(base, PROMPTS, clean)
+    return {row["id"]: row["answer_ids"] for row in datagen.read_rows(clean.out)}
+
+
+def test_captured_features_are_what_a_forward_gives(base):
+    """The hidden states kept while generating equal a teacher-forced forward's, and the
+    answers equal plain generation's."""
+    answers, features = generate_with_features(base, ["hello there", "hi"], 5)
+    assert answers == generate_batch(base, ["hello there", "hi"], 5, sample=False)
+    for prompt, answer, captured in zip(["hello there", "hi"], answers, features):
+        ids = base.chat_ids(prompt) + answer
+        with torch.inference_mode():
+            hidden = base.model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]  # [T, H]
+        start = len(ids) - len(answer) - 1
+        expected = hidden[start:start + len(answer)].to(torch.bfloat16)  # hidden that predicted answer[j]
+        assert captured.hidden.shape == expected.shape
+        assert torch.allclose(captured.hidden.float(), expected.float(), atol=2e-2)
+        assert captured.teacher_ids[:, 0].tolist() == answer  # greedy: the teacher's top-1 is the answer
+
+
+def test_interrupted_between_features_and_rows_resumes_exactly(base, tmp_path, monkeypatch):
+    reference = _reference(base, tmp_path)
+    config = _config(tmp_path)
+    real_save = datagen._save_shard
+    calls = {"n": 0}
+
+    def dying_save(folder, rows, features):
+        real_save(folder, rows, features)
+        calls["n"] += 1
+        if calls["n"] == 2:  # killed after the second batch's features, before its rows
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(datagen, "_save_shard", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        answer_prompts(base, PROMPTS, config)
+    assert len(datagen.read_rows(config.out)) == 3
+    monkeypatch.setattr(datagen, "_save_shard", real_save)
+    answer_prompts(base, PROMPTS, config)
+    rows, found = load_captured(config.out)
+    assert sorted(r["id"] for r in rows) == sorted(reference)  # none lost, none twice
+    assert {r["id"]: r["answer_ids"] for r in rows} == reference
+    assert set(found) == set(reference)
+    assert all(len(found[r["id"]].hidden) == len(r["answer_ids"]) for r in rows)
+
+
+def test_half_written_line_is_cut_and_answered_again(base, tmp_path):
+    reference = _reference(base, tmp_path)
+    config = _config(tmp_path)
+    answer_prompts(base, PROMPTS[:3], config)
+    with config.out.open("a") as sink:  # a writer killed in the middle of a row
+        sink.write(json.dumps({"id": "p3", "answer_ids": [1, 2]})[:17])
+    answer_prompts(base, PROMPTS, config)
+    rows = datagen.read_rows(config.out)
+    assert sorted(r["id"] for r in rows) == sorted(reference)
+    assert config.out.read_text().endswith("\n")
+
+
+def test_training_features_line_up_with_answers(base, tmp_path):
+    config = _config(tmp_path)
+    answer_prompts(base, PROMPTS, config)
+    features, card = load_training_features(base, [config.out], extract_missing=False)
+    rows = datagen.read_rows(config.out)
+    assert card.answers == len(PROMPTS) and card.tokens == sum(len(r["answer_ids"]) for r in rows)
+    assert isinstance(features, Features)
+    assert features.tokens.tolist() == [t for r in rows for t in r["answer_ids"]]
+    # remaining counts down to 0 at each answer's last token
+    ends = [i for i, left in enumerate(features.remaining.tolist()) if left == 0]
+    assert len(ends) == len(rows)

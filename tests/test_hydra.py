@@ -1,0 +1,127 @@
+"""Hydra heads: on-disk format, the grown tree's invariants, the path really conditions the
+guess, greedy exactness of `hydra` strategies, and the training loss (tiny in-process models)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.decoder import DecodeConfig, decode
+from core.hydra import HydraConfig, HydraHeads, grow_tree, load_hydra_heads
+from core.train import Features, draft_loss, train_vocab
+from core.train_hydra import hydra_loss
+from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
+
+PROMPT = list(b"the cat sat on the mat and the cat sat on the")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base("llama")
+
+
+@pytest.fixture(scope="module")
+def hydra(base):
+    return tiny_hydra(base)
+
+
+def test_save_and_load_round_trip(hydra, tmp_path):
+    hydra.save(tmp_path)
+    loaded = load_hydra_heads(tmp_path)
+    assert loaded.config == hydra.config
+    assert torch.equal(loaded.draft_vocab, hydra.draft_vocab)
+    for mine, theirs in zip(hydra.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(mine, theirs)
+
+
+def test_medusa_folder_is_not_hydra(base, tmp_path):
+    tiny_heads(base).save(tmp_path)
+    with pytest.raises(ValueError, match="Hydra"):
+        load_hydra_heads(tmp_path)
+
+
+def test_fresh_head_ignores_the_path():
+    """Zero-initialised mixing: a fresh Hydra head is the identity, whatever the path."""
+    heads = HydraHeads(HydraConfig(num_heads=2, hidden_size=8, vocab_size=16, draft_vocab_size=0))
+    hidden = torch.randn(3, 8)
+    for depth in (1, 2):
+        out = heads.head_state(depth, hidden, torch.randn(3, depth, 8))
+        assert torch.equal(out, hidden)
+
+
+@pytest.mark.parametrize("budget,beam", [(1, 1), (10, 4), (40, 8), (63, 16)])
+def test_grown_tree_is_a_best_first_tree(base, hydra, budget, beam):
+    hidden = torch.randn(base.model.config.hidden_size)
+    grown = grow_tree(hydra, base.model.get_input_embeddings(), hydra.draft_projection(base.lm_head), hidden, 65,
+                      budget=budget, width=8, beam=beam, depth=4)
+    tree = grown.tree
+    assert tree.num_nodes == budget
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    seen = set()
+    for path, score in zip(tree.paths, tree.scores):
+        assert len(path) == 1 or path[:-1] in seen  # parents first
+        seen.add(path)
+    # each (parent, token) appears once: no token is verified twice under one parent
+    table = grown.token_table.tolist()
+    pairs = [(p[:-1], table[len(p) - 1][p[-1]]) for p in tree.paths]
+    assert len(pairs) == len(set(pairs))
+    assert grown.token_ids.shape[0] == 4
+
+
+def test_children_depend_on_the_path(base):
+    """Siblings' subtrees differ: the guesses after a node read that node's token."""
+    hydra = tiny_hydra(base, std=0.5)
+    hidden = torch.randn(base.model.config.hidden_size)
+    grown = grow_tree(hydra, base.model.get_input_embeddings(), hydra.draft_projection(base.lm_head), hidden, 65,
+                      budget=200, width=4, beam=4, depth=2)
+    table = grown.token_table.tolist()
+    children: dict[tuple, list[int]] = {}
+    for path in grown.tree.paths:
+        if len(path) == 2:
+            children.setdefault(path[:1], []).append(table[1][path[1]])
+    assert len(children) >= 2
+    assert len({tuple(sorted(c)) for c in children.values()}) > 1
+
+
+@pytest.mark.parametrize("spec", [dict(budget=12), dict(budget=40, auto_budget=True), dict(budget=20, lookup_tokens=8)])
+def test_hydra_greedy_fp32_equals_generate(base, hydra, spec):
+    expected = greedy_reference(base, PROMPT, 48)
+    session = decode(base, hydra, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=48, top_m=8, **spec))
+    assert session.output_ids == expected
+    assert all(r.strategy in ("hydra", "lookup", "autoregressive") for r in session.records)
+
+
+def test_hydra_strategy_refuses_medusa_heads(base):
+    with pytest.raises(ValueError, match="Hydra heads"):
+        decode(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=4))
+
+
+def test_hydra_loss_reads_the_true_path():
+    """Head k at j learns answer[j+k] from the embeddings of answer[j..j+k-1]; positions
+    whose target lies past the answer's end are not trained on."""
+    torch.manual_seed(0)
+    hidden_size, vocab_size = 8, 20
+    heads = HydraHeads(HydraConfig(num_heads=2, hidden_size=hidden_size, vocab_size=vocab_size, draft_vocab_size=0))
+    for head in heads.heads:
+        torch.nn.init.normal_(head.mix.weight, std=0.3)
+    weight = torch.randn(vocab_size, hidden_size)
+    embed = torch.randn(vocab_size, hidden_size)
+    vocab = train_vocab(weight, None)
+    tokens = torch.tensor([5, 6, 7, 8])
+    features = Features(hidden=torch.randn(4, hidden_size).bfloat16(), remaining=torch.tensor([3, 2, 1, 0]),
+                        tokens=tokens, teacher_ids=tokens[:, None].int(), teacher_probs=torch.ones(4, 1).half())
+    index = torch.tensor([0, 1, 2, 3])
+    loss, _ = hydra_loss(heads, vocab, embed, features, index, decay=0.5)
+    by_hand = torch.zeros(())
+    for k, decay in ((1, 1.0), (2, 0.5)):
+        rows = torch.tensor([j for j in range(4) if j + k <= 3])
+        path = torch.stack([tokens[rows + i] for i in range(k)], dim=-1)  # [b, k]
+        states = heads.head_state(k, features.hidden[rows].float(), embed[path])
+        part, _ = draft_loss(states, vocab, features, rows + k)
+        by_hand = by_hand + decay * part
+    assert torch.allclose(loss, by_hand)
+    # the targets by hand: head 2 at j=0 predicts token 7 from the path (5, 6)
+    states = heads.head_state(2, features.hidden[:1].float(), embed[torch.tensor([[5, 6]])])
+    logits = states @ weight.T
+    manual = -torch.log_softmax(logits, -1)[0, 7]
+    part, _ = draft_loss(states, vocab, features, torch.tensor([2]))
+    assert torch.allclose(part, manual, atol=1e-5)
