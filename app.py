@@ -53,7 +53,7 @@ import gradio as gr
 import labstate
 from core.accept import RULES
 from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP, StepRecord
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, StepRecord
 from core.tree import load_named_trees
 from labstate import LabInputError, LabNotice, LabState, Run, Settings
 from viz.bench_plot import bench_figure, category_table, markdown_table, result_order
@@ -164,6 +164,9 @@ def _tree_title(run: Run, record: StepRecord) -> str:
                 f"(top-{settings.top_m}, depth {settings.depth}){chain}")
     elif settings.strategy == DYNAMIC:
         main = f"Dynamic tree (budget {settings.budget}, top-{settings.top_m}, depth {settings.depth})"
+    elif settings.strategy == HYDRA:
+        sizing = f"auto budget: {nodes} of ≤ {settings.budget} nodes" if settings.auto_budget else f"{nodes} nodes"
+        main = f"Hydra tree grown node by node, {sizing} (depth {settings.depth}){chain}"
     elif settings.strategy == FIXED:
         main = f"Fixed tree {settings.fixed_preset} ({nodes} nodes)"
     else:
@@ -199,11 +202,16 @@ def _comparison(run: Run, record: StepRecord, token_bytes: dict[int, bytes]) -> 
                f"(they had not paid lately) and verified only the prompt-lookup chain, so there were no head "
                f"guesses for a fixed tree to use.")
     elif settings.strategy == FIXED:
-        why = "The tree on the left is the fixed tree itself."
+        why = "The tree above is the fixed tree itself."
+    elif settings.strategy == HYDRA:
+        why = ("A fixed tree is a set of rank paths over the Medusa heads' guesses; the Hydra tree is grown from "
+               "its own path-conditioned guesses, so there is no fixed tree to draw beside it.")
     elif settings.strategy == AUTOREGRESSIVE:
         why = "Autoregressive decoding builds no tree, so there is nothing to compare."
-    else:
+    elif not settings.compare_fixed:
         why = "The comparison is off: tick “Compare with the fixed tree” and press Start."
+    else:
+        why = f"No fixed-tree comparison at step {record.index + 1}."
     return empty_figure(why)
 
 

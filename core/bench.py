@@ -4,7 +4,8 @@
         --strategies ar,fixed:mc_sim_7b_63,fixed:calibrated,dynamic:64 --dtype fp32 --out results.json
 
 Strategy specs: `ar` (our autoregressive loop over the same stepping API), `fixed:<tree name or
-JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, each with `+lookup` (a
+JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, `hydra:<budget>` and `hydra:auto`
+(the tree Hydra heads grow, `core.hydra`), each with `+lookup` (a
 prompt-lookup chain joins the tree) and/or `+store` (datastore branches, `core.datastore`), `hf:greedy` (transformers' generate) and
 `hf:prompt_lookup` (generate with prompt-lookup decoding). `fixed` / `dynamic` alone mean the
 defaults. Every ratio is against `ar` measured in the same run, same precision.
@@ -28,9 +29,10 @@ from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, decode
 from core.exactness import divergence_from_margins, plain_margins
 from core.heads import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
+from core.hydra import HydraHeads, default_hydra_heads, load_hydra_heads
 from core.datastore import STORE_TOKENS
 from core.lookup import CHAIN_TOKENS
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree
@@ -93,7 +95,7 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
             fixed_tree(choices)  # validate early
             return replace(base_config, strategy=FIXED, fixed_tree=tuple(tuple(p) for p in choices))
         return replace(base_config, strategy=FIXED, fixed_tree=name)
-    if kind == "dynamic":
+    if kind in (DYNAMIC, HYDRA):
         size, *extras = arg.split("+")
         unknown = set(extras) - {"lookup", "store"}
         if unknown:
@@ -101,12 +103,12 @@ def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
         chains = dict(lookup_tokens=CHAIN_TOKENS if "lookup" in extras else 0,
                       store_tokens=STORE_TOKENS if "store" in extras else 0)
         if size == "auto":
-            return replace(base_config, strategy=DYNAMIC, budget=63, auto_budget=True, **chains)
-        return replace(base_config, strategy=DYNAMIC, budget=int(size) if size else 63, **chains)
+            return replace(base_config, strategy=kind, budget=63, auto_budget=True, **chains)
+        return replace(base_config, strategy=kind, budget=int(size) if size else 63, **chains)
     if kind == "hf" and arg in ("greedy", "prompt_lookup"):
         return spec
-    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>[+lookup][+store], dynamic:auto[+lookup][+store], "
-                     "hf:greedy, hf:prompt_lookup")
+    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>[+lookup][+store], "
+                     "dynamic:auto[+lookup][+store], hydra:<n>|auto[+lookup][+store], hf:greedy, hf:prompt_lookup")
 
 
 @torch.inference_mode()
@@ -118,7 +120,22 @@ def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: in
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - start
 
 
-def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, strategy: DecodeConfig | str,
+@dataclass(frozen=True)
+class HeadSet:
+    """The drafting heads a benchmark may use: Medusa's, and Hydra's where shipped."""
+
+    medusa: MedusaHeads
+    hydra: HydraHeads | None = None
+
+    def for_strategy(self, strategy: DecodeConfig) -> MedusaHeads | HydraHeads | None:
+        if strategy.strategy != HYDRA:
+            return self.medusa
+        if self.hydra is None:
+            raise ValueError("hydra strategies need Hydra heads (assets/hydra or --hydra)")
+        return self.hydra
+
+
+def run_one(base: BaseModel, heads: HeadSet, prompt: Prompt, spec: str, strategy: DecodeConfig | str,
             max_new_tokens: int) -> tuple[BenchRow, list[tuple[float, float]] | None]:
     """One prompt with one strategy; plain runs also return their top-2 logits per token."""
     prompt_ids = base.chat_ids(prompt.text)
@@ -128,7 +145,7 @@ def run_one(base: BaseModel, heads: MedusaHeads, prompt: Prompt, spec: str, stra
                         mean_accepted=float("nan"), seconds=seconds, tokens_per_s=len(output) / seconds,
                         phase_seconds={}, output_ids=output, category=prompt.category), None
     start = time.perf_counter()
-    session = decode(base, heads, prompt_ids, strategy)
+    session = decode(base, heads.for_strategy(strategy), prompt_ids, strategy)
     seconds = time.perf_counter() - start
     steps = len(session.records)
     phases = {phase: sum(getattr(r.times, phase) for r in session.records) for phase in PHASES}
@@ -186,7 +203,7 @@ def _ratios_to_ar(rows: list[BenchRow], spec: str) -> dict:
             "by_category": by_category}
 
 
-def benchmark(base: BaseModel, heads: MedusaHeads, prompts: list[Prompt], specs: list[str], config: DecodeConfig,
+def benchmark(base: BaseModel, heads: HeadSet, prompts: list[Prompt], specs: list[str], config: DecodeConfig,
               on_prompt: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
     """Every strategy on every prompt, interleaved; one short warm-up per strategy first.
     `on_prompt` sees the rows so far after each prompt (the CLI saves them, so a cut-off run keeps them)."""
@@ -254,6 +271,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="base model (default: the shipped SmolLM2)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--heads", type=Path, default=None, help="heads folder (default: assets/heads)")
+    parser.add_argument("--hydra", type=Path, default=None, help="Hydra heads folder (default: assets/hydra)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.merge:
@@ -274,6 +292,9 @@ def main() -> None:
     else:
         heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size,
                                             dtype=base.dtype, device=base.device)
+    hydra = (load_hydra_heads(args.hydra, dtype=base.dtype, device=base.device) if args.hydra is not None
+             else default_hydra_heads(dtype=base.dtype, device=base.device))
+    head_set = HeadSet(medusa=heads, hydra=hydra)
     sampling = SamplingConfig(temperature=args.temperature)
     rule = "greedy" if sampling.greedy else args.rule
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,
@@ -286,6 +307,7 @@ def main() -> None:
                    "strategies": specs, "dtype": args.dtype, "temperature": args.temperature, "rule": rule,
                    "seed": args.seed},
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
+        "hydra": None if hydra is None else str(args.hydra or "assets/hydra"),
         "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": platform.processor(),
                    "cuda": torch.cuda.get_device_name() if base.device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -301,7 +323,7 @@ def main() -> None:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    result = save(benchmark(base, heads, prompts, specs, config, on_prompt=save), complete=True)
+    result = save(benchmark(base, head_set, prompts, specs, config, on_prompt=save), complete=True)
     print(json.dumps(result["summary"], indent=1))
 
 

@@ -67,6 +67,26 @@ class TreeOutcome:
             return frozenset()
         return frozenset(i for i, path in enumerate(self.tree.paths, start=1) if path[-1] >= self.lookup_rank)
 
+    @property
+    def grown(self) -> bool:
+        """True for a tree Hydra heads grew: a node's column is not a rank, its children are its own."""
+        return self.tree.kind == HYDRA
+
+    def sibling_ranks(self) -> list[int]:
+        """[n+1] each node's rank among its siblings by score (0 best; the root 0). For the heads'
+        trees this is the head's rank; for a grown tree it is computed from the scores."""
+        if not self.grown:
+            return [0] + [path[-1] for path in self.tree.paths]
+        parents, scores = self.tree.parents, self.node_scores
+        ranks = [0] * (self.tree.num_nodes + 1)
+        by_parent: dict[int, list[int]] = {}
+        for node in range(1, self.tree.num_nodes + 1):
+            by_parent.setdefault(parents[node], []).append(node)
+        for children in by_parent.values():
+            for rank, node in enumerate(sorted(children, key=lambda n: -scores[n])):
+                ranks[node] = rank
+        return ranks
+
     def node_source(self, node: int) -> str:
         """Who proposed `node`: "root", "heads" (head k = its depth), or a chain's drafter name."""
         if node == 0:

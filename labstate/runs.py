@@ -96,7 +96,7 @@ def start_prepared(lab: LabState, prepared: Prepared) -> Run:
     lab.interrupt()  # a Run loop on the previous run stops
     acquire(lab)
     try:
-        session = start_session(rt.base, rt.heads, prepared.prompt_ids, config,
+        session = start_session(rt.base, rt.heads_for(config.strategy), prepared.prompt_ids, config,
                                 profile if config.auto_budget else None)
         precision = prepared.settings.precision
         if precision not in lab.forward_seconds:

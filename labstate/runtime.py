@@ -14,6 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from core.heads import MedusaHeads, default_heads
+from core.hydra import HydraHeads, default_hydra_heads
+from core.records import HYDRA
 from core.kvcache import truncate
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.profile import CostProfile, verify_profile
@@ -45,10 +47,19 @@ class Runtime:
     base: BaseModel
     heads: MedusaHeads
     heads_description: str
+    hydra: HydraHeads | None = None  # the shipped Hydra heads (None: not shipped)
 
     @property
     def num_heads(self) -> int:
         return self.heads.config.num_heads
+
+    def heads_for(self, strategy: str) -> MedusaHeads | HydraHeads:
+        """The heads a core strategy drafts with; ValueError when Hydra heads are not shipped."""
+        if strategy != HYDRA:
+            return self.heads
+        if self.hydra is None:
+            raise ValueError("Hydra heads are not shipped with this copy of the lab (assets/hydra is missing)")
+        return self.hydra
 
     @functools.cached_property
     def token_bytes(self) -> dict[int, bytes]:
@@ -72,7 +83,10 @@ def runtime(precision: str) -> Runtime:
     base = load_base_model(ModelConfig(dtype=precision))
     config = base.model.config
     heads, description = default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)
-    return Runtime(base=base, heads=heads, heads_description=description)
+    hydra = default_hydra_heads(dtype=base.dtype, device=base.device)
+    if hydra is not None:
+        description += f"; Hydra heads from assets/hydra ({hydra.config.num_heads} heads)"
+    return Runtime(base=base, heads=heads, heads_description=description, hydra=hydra)
 
 
 _PROFILES: dict[str, CostProfile] = {}  # model dtype -> verify-cost profile (tests may seed it)

@@ -14,7 +14,7 @@ from core.decoder import DecodeConfig
 from core.datastore import STORE_TOKENS
 from core.lookup import CHAIN_TOKENS
 from core.model import default_precision
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, TREE_STRATEGIES
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree, load_named_trees
 from labstate.errors import LabInputError, show
@@ -26,10 +26,17 @@ DEFAULT_PRECISION = default_precision()
 AUTO_STRATEGY = f"{DYNAMIC}:auto"  # dynamic + DecodeConfig.auto_budget
 LOOKUP_STRATEGY = f"{DYNAMIC}:auto+lookup"  # the same plus a prompt-lookup chain in every tree
 STORE_STRATEGY = f"{DYNAMIC}:auto+lookup+store"  # and branches from the datastore of the model's own answers
-UI_STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY)
+HYDRA_AUTO_STRATEGY = f"{HYDRA}:auto"  # the tree Hydra heads grow, auto-sized
+HYDRA_LOOKUP_STRATEGY = f"{HYDRA}:auto+lookup"  # the same plus a prompt-lookup chain
+UI_STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY,
+                 HYDRA, HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY)
+AUTO_STRATEGIES = (AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY, HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY)
+LOOKUP_STRATEGIES = (LOOKUP_STRATEGY, STORE_STRATEGY, HYDRA_LOOKUP_STRATEGY)
 STRATEGY_LABELS = {AUTOREGRESSIVE: "autoregressive", FIXED: "fixed", DYNAMIC: "dynamic",
                    AUTO_STRATEGY: "dynamic (auto budget)", LOOKUP_STRATEGY: "dynamic (auto) + prompt lookup",
-                   STORE_STRATEGY: "dynamic (auto) + lookup + datastore"}
+                   STORE_STRATEGY: "dynamic (auto) + lookup + datastore", HYDRA: "Hydra tree",
+                   HYDRA_AUTO_STRATEGY: "Hydra tree (auto budget)",
+                   HYDRA_LOOKUP_STRATEGY: "Hydra tree (auto) + prompt lookup"}
 STRATEGY_HELP = {
     AUTOREGRESSIVE: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
     FIXED: "Medusa's fixed tree: the same rank paths (the preset below) every step.",
@@ -41,6 +48,10 @@ STRATEGY_HELP = {
                      "where they appeared before join the tree as one more branch (◆).",
     STORE_STRATEGY: "Auto-sized dynamic tree, prompt lookup, and a datastore of the model's own earlier answers: "
                     "what most often followed the text's last words there joins the tree as up to 3 more branches.",
+    HYDRA: "Hydra heads grow the tree node by node: each guess reads the tokens on the path before it, so a "
+           "node's children depend on the node (`budget` nodes, `top-m` children per expanded node).",
+    HYDRA_AUTO_STRATEGY: "The Hydra tree, sized every step by the same expected-tokens/s rule as dynamic (auto).",
+    HYDRA_LOOKUP_STRATEGY: "The auto-sized Hydra tree plus the prompt-lookup chain (◆).",
 }
 CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
 CUSTOM_TREE_EXAMPLE = "e.g. [[0], [1], [0, 0]]"
@@ -72,6 +83,8 @@ class Settings:
     @property
     def ui_strategy(self) -> str:
         """The strategy as the panel and the API name it (dynamic:auto, dynamic:auto+lookup, ...)."""
+        if self.strategy == HYDRA:
+            return HYDRA_LOOKUP_STRATEGY if self.lookup else HYDRA_AUTO_STRATEGY if self.auto_budget else HYDRA
         if self.strategy == DYNAMIC and self.store:
             return STORE_STRATEGY
         if self.strategy == DYNAMIC and self.lookup:
@@ -82,9 +95,9 @@ class Settings:
 
     @property
     def strategy_label(self) -> str:
-        if self.strategy != DYNAMIC:
+        if self.strategy not in TREE_STRATEGIES:
             return self.strategy
-        label = f"dynamic (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
+        label = f"{self.strategy} (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
         label = label + " + prompt lookup" if self.lookup else label
         return label + " + datastore" if self.store else label
 
@@ -180,9 +193,10 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
     strategy = checked.pop("strategy")
     custom = checked.pop("custom_tree")
     paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
-    auto = strategy in (AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY)
-    return Settings(strategy=DYNAMIC if auto else strategy, auto_budget=auto,
-                    lookup=strategy in (LOOKUP_STRATEGY, STORE_STRATEGY), store=strategy == STORE_STRATEGY,
+    auto = strategy in AUTO_STRATEGIES
+    family = strategy.split(":")[0]
+    return Settings(strategy=family, auto_budget=auto,
+                    lookup=strategy in LOOKUP_STRATEGIES, store=strategy == STORE_STRATEGY,
                     custom_tree=paths, **checked)
 
 
@@ -261,6 +275,7 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     if settings.depth > num_heads:
         raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
     dynamic = settings.strategy == DYNAMIC
+    grown = settings.strategy in TREE_STRATEGIES  # dynamic or Hydra: auto budget and chains apply
     uses_fixed = settings.strategy == FIXED or (settings.compare_fixed and dynamic)
     if settings.fixed_preset == CUSTOM_TREE:
         _check_custom_depth(settings, num_heads)
@@ -269,7 +284,7 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     config = DecodeConfig(strategy=settings.strategy, budget=settings.budget, top_m=settings.top_m,
                           depth=settings.depth, fixed_tree=tree, accept=accept,
                           max_new_tokens=settings.max_new_tokens, compare_fixed=settings.compare_fixed and dynamic,
-                          auto_budget=settings.auto_budget and dynamic,
-                          lookup_tokens=CHAIN_TOKENS if settings.lookup and dynamic else 0,
-                          store_tokens=STORE_TOKENS if settings.store and dynamic else 0)
+                          auto_budget=settings.auto_budget and grown,
+                          lookup_tokens=CHAIN_TOKENS if settings.lookup and grown else 0,
+                          store_tokens=STORE_TOKENS if settings.store and grown else 0)
     return config, note if uses_fixed else ""

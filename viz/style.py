@@ -1,7 +1,7 @@
 """Colours and sizes shared by every view (chosen to read well on a projector)."""
 from __future__ import annotations
 
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, LOOKUP
+from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
 
 ACCEPTED = "#15803d"  # green: head guesses the base model confirmed
 BONUS = "#ea580c"  # orange: the base model's own token after the accepted path
@@ -26,7 +26,8 @@ PHASE_COLOURS = {
 }
 
 # the decoding strategies in the cumulative plot
-STRATEGY_COLOURS = {DYNAMIC: "#0284c7", FIXED: "#a855f7", AUTOREGRESSIVE: "#64748b", LOOKUP: "#7c3aed"}
+STRATEGY_COLOURS = {DYNAMIC: "#0284c7", FIXED: "#a855f7", AUTOREGRESSIVE: "#64748b", LOOKUP: "#7c3aed",
+                    HYDRA: "#059669"}
 
 # pale backgrounds cycling over steps in the generated text (matching .s0 ... .s7 in app.css)
 STEP_CYCLE = 8

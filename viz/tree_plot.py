@@ -102,8 +102,9 @@ def tree_layout(parents: Sequence[int], depths: Sequence[int], ranks: Sequence[i
 
 
 def _ranks(outcome: TreeOutcome) -> list[int]:
-    """Rank of each node within its head's top-m (the root counts as rank 0). Length n+1."""
-    return [0] + [path[-1] for path in outcome.tree.paths]
+    """Rank of each node within its head's top-m, or among its siblings in a Hydra tree (the root
+    counts as rank 0). Length n+1."""
+    return outcome.sibling_ranks()
 
 
 def _marginals(scores: Sequence[float], parents: Sequence[int]) -> list[float]:
@@ -174,15 +175,21 @@ def _labels(frame: Frame, layout: TreeLayout, texts: Sequence[str], sizes: Seque
     return labels
 
 
+CHAIN_SOURCE_TEXT = {"lookup": "◆ prompt lookup: copied from where the last words appeared before",
+                     "store": "◆ datastore: what most often followed these words in the model's own answers"}
+
+
 def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: float, joint: float,
-           accepted: bool, copied: bool = False) -> str:
+           accepted: bool, copied: str = "") -> str:
+    """Hover text of one node; `copied` names the chain drafter of a chain-only node ("" for head nodes)."""
     if node == 0:
         return (f"<b>root</b> {token_hover(text)} (id {token})<br>the base model's own next token,"
                 f"<br>emitted by the previous step" + ("<br><b>✓ start of the accepted path</b>" if accepted else ""))
     verdict = "<b>✓ accepted</b>" if accepted else "✗ not accepted"
     if copied:
-        return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · depth {depth} · ◆ prompt lookup: copied from"
-                f" where the last words appeared before<br>estimated p = {joint:.3f} (learned this run)<br>{verdict}")
+        source = CHAIN_SOURCE_TEXT.get(copied, f"◆ {copied}")
+        return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · depth {depth} · {source}"
+                f"<br>estimated p = {joint:.3f} (learned this run)<br>{verdict}")
     return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · head {depth} · rank {rank}"
             f"<br>marginal p = {marginal:.4f}<br>joint p = {joint:.2e}<br>{verdict}")
 
@@ -270,7 +277,8 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
         text=labels, textposition=["middle left"] + ["middle right"] * (len(texts) - 1),
         textfont={"size": FONT_PX, "color": style.TEXT}, cliponaxis=False,
         hovertext=[_hover(i, texts[i], outcome.node_tokens[i], depths[i], ranks[i], marginals[i], scores[i],
-                          i in accepted_set, i in copied) for i in range(len(texts))],
+                          i in accepted_set, outcome.node_source(i) if i in copied else "")
+                   for i in range(len(texts))],
         hoverinfo="text",
         marker={
             "size": sizes,
@@ -287,8 +295,10 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
         },
         customdata=list(range(len(texts))),
     ))
-    if copied:  # a legend entry for the chain's marker
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="◆ copied by prompt lookup",
+    if copied:  # a legend entry for the chains' marker, naming the drafters that made them
+        names = {"lookup": "prompt lookup", "store": "datastore"}
+        sources = sorted({names.get(outcome.node_source(i), outcome.node_source(i)) for i in copied})
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"◆ copied by {' / '.join(sources)}",
                                  marker={"symbol": "diamond", "size": 12, "color": style.TEXT}))
     fig.add_trace(go.Scatter(
         x=[bonus_x], y=[bonus_y], mode="markers+text", name="bonus token (base model)",

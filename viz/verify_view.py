@@ -80,7 +80,11 @@ def verification(record: StepRecord, token_bytes: TokenBytes | None = None) -> l
 
 def _source(outcome: TreeOutcome, node: int, copied: bool) -> str:
     path = outcome.tree.paths[node - 1]
-    return f"◆ {outcome.node_source(node)}" if copied else f"head {len(path)} rank {path[-1]}"
+    if copied:
+        return f"◆ {outcome.node_source(node)}"
+    if outcome.grown:
+        return f"Hydra head {len(path)}, child {outcome.sibling_ranks()[node]}"
+    return f"head {len(path)} rank {path[-1]}"
 
 
 def _cell(candidate: Candidate) -> str:
