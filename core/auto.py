@@ -5,9 +5,17 @@ maximises expected tokens per ms (`core.profile.best_prefix`), `observe` learns 
 step record: the heads' acceptance per depth (calibration, from the heads' own scores only:
 a chain grafted onto a head node must not inflate it), and the tokens per ms that steps with
 and without the heads actually delivered (the back-off rule in `core.profile`'s docstring).
+
+The profile is a prior, not the truth: it may have been measured on a busy machine or before
+a code change. Every step's verify time is compared with what the profile predicted for its
+size, and the costs the controller uses are the profile's scaled by the median measured/predicted
+ratio of recent steps, separately for one-token forwards and trees. So that the one-token cost
+is always measured, not assumed, the run makes a plain step (no heads, no chains) early on and
+again whenever none ran for PROBE_EVERY steps: a wrong profile is corrected within a few steps.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate
@@ -19,6 +27,37 @@ RATE_STEPS = 24  # steps a measured rate averages
 MIN_RATE_STEPS = 12  # fewer steps than this: no measured rate yet
 OVERHEAD_STEPS = 16
 MAX_BACKOFF = 16
+PROBE_EVERY = 32  # a plain step at least this often (step 1 is the first): the run measures plain speed
+CORRECTION_STEPS = 16  # measured/predicted ratios a cost correction takes the median of
+
+
+@dataclass
+class CostCorrection:
+    """Measured over profiled verify time of recent steps, for one-token forwards and for trees."""
+
+    plain: list[float] = field(default_factory=list)
+    tree: list[float] = field(default_factory=list)
+
+    def add(self, tokens: int, measured_ms: float, profiled_ms: float) -> None:
+        ratios = self.plain if tokens == 1 else self.tree
+        ratios.append(measured_ms / max(profiled_ms, 1e-6))
+        del ratios[:-CORRECTION_STEPS]
+
+    def factor(self, tokens: int) -> float:
+        """The median ratio of the class `tokens` falls in (1.0 before any measurement)."""
+        ratios = self.plain if tokens == 1 else self.tree
+        return statistics.median(ratios) if ratios else 1.0
+
+
+@dataclass(frozen=True)
+class CorrectedProfile:
+    """A cost profile scaled by what this run measured (same `cost` interface as CostProfile)."""
+
+    profile: CostProfile
+    correction: CostCorrection
+
+    def cost(self, tokens: int, context: int | None = None) -> float:
+        return self.profile.cost(tokens, context) * self.correction.factor(tokens)
 
 
 @dataclass
@@ -31,10 +70,24 @@ class AutoBudget:
     plain_until: int = 0  # steps before this index skip the heads (backing off)
     backoff: int = 0  # length of the current back-off
     steps: int = 0
+    correction: CostCorrection = field(default_factory=CostCorrection)
+    last_plain: int | None = None  # index of the last plain (one-token) step
+
+    @property
+    def costs(self) -> CorrectedProfile:
+        """The verify costs the controller decides by: the profile, corrected by this run's steps."""
+        return CorrectedProfile(self.profile, self.correction)
 
     def use_heads(self) -> bool:
-        """False while backing off: the heads cannot pay at the moment."""
-        return self.steps >= self.plain_until
+        """False while backing off (the heads cannot pay at the moment) or while probing."""
+        return self.steps >= self.plain_until and not self.probe_plain()
+
+    def probe_plain(self) -> bool:
+        """True when this step must be plain (no heads, no chains) to measure plain speed: step 1,
+        then whenever no plain step ran for PROBE_EVERY steps."""
+        if self.steps == 0:
+            return False
+        return self.last_plain is None or self.steps - self.last_plain >= PROBE_EVERY
 
     def expected(self, draft: DraftTree) -> list[float]:
         """Expected acceptance of each node in best-first order: the heads' score corrected per
@@ -49,7 +102,7 @@ class AutoBudget:
         """Nodes to keep (a prefix of the best-first order) on top of a `context`-token cache;
         updates the back-off when the heads ran."""
         tree = draft.tree
-        size, rate = best_prefix(self.expected(draft), tree.depths[1:], self.profile,
+        size, rate = best_prefix(self.expected(draft), tree.depths[1:], self.costs,
                                  self.overhead_ms(heads_used), context=context)
         if heads_used:
             self._update_backoff(size, rate, context)
@@ -59,6 +112,10 @@ class AutoBudget:
         """Learn from one finished step (of any kind)."""
         if _used_heads(record):
             self._calibrate(record)
+        tokens = record.outcome.tree.num_nodes + 1
+        self.correction.add(tokens, 1000 * record.times.verify, self.profile.cost(tokens, record.context_length))
+        if tokens == 1:
+            self.last_plain = self.steps
         self.records = (self.records + [record])[-WINDOW:]
         self.steps += 1
 
@@ -75,7 +132,7 @@ class AutoBudget:
         self.calibration.update([outcome.tree.depths[n] for n in nodes], [head_scores[n] for n in nodes], accepted)
 
     def _update_backoff(self, size: int, rate: float, context: int) -> None:
-        plain = self.measured_rate(heads_used=False) or plain_rate(self.profile, self.overhead_ms(heads_used=False),
+        plain = self.measured_rate(heads_used=False) or plain_rate(self.costs, self.overhead_ms(heads_used=False),
                                                                    context)
         measured = self.measured_rate(heads_used=True)
         # acceptance comes in streaks, so only a long record of tree steps clearly losing to plain

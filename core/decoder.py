@@ -273,6 +273,8 @@ class DecodeSession:
         """Every drafter's candidates for this step (none when no tree node would fit)."""
         if max_depth < 1 or self.config.strategy == AUTOREGRESSIVE:
             return None, []
+        if self.auto is not None and self.auto.probe_plain():
+            return None, []  # a plain step measures what plain decoding costs in this run
         context = DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden)
         use_heads = self.auto is None or self.auto.use_heads()  # dynamic:auto backing off skips the heads
         heads = self.heads_drafter.propose(context) if use_heads else None

@@ -5,8 +5,11 @@ On a GPU a tree of a few hundred nodes costs about what one token costs; on this
 one does. The best tree size therefore
 depends on the hardware, and on the context: attention over 1,500 cached tokens costs more than
 over 100. The profile measures the verify latency of n tokens over 100, 500 and 1,500 cached
-tokens (interpolated in both) on the current
-device (cached per device, model, precision and thread count); each step then keeps the
+tokens (interpolated in both) on the current device. It is cached under a key of the model,
+thread count, CPU model and flags, torch and transformers versions and the verify code
+(`ProfileKey`), and only when one-token costs measured before and after it agree (a busy
+machine's profile serves its run but is never kept); each run still corrects it with its own
+measurements (`core.auto`). Each step then keeps the
 prefix of the best-first node order that maximises expected tokens per second:
 
     n* = argmax_n  (1 + sum_{i<n} c[depth_i] * score_i) / (cost(n + 1, context) + overhead)
@@ -25,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import platform
 import statistics
 import threading
 import time
@@ -32,9 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import DynamicCache
 
-from core.model import CACHE_DIR, SKINNY_MAX_ROWS, BaseModel
+from core.model import CACHE_DIR, BaseModel
 from core.kvcache import truncate
 from core.tree import CandidateTree, chain_tree
 from core.verify import verify_tree
@@ -76,10 +81,48 @@ def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     return ys[-1] + slope * (x - xs[-1])
 
 
-def _profile_key(base: BaseModel) -> str:
-    # the kernel tag changes whenever the model's matmul path changes (cached costs go stale)
-    name = f"{base.source}|{torch.get_num_threads()}|{torch.__version__}|skinny{SKINNY_MAX_ROWS}|ctx{PROFILE_CONTEXTS}"
-    return hashlib.sha1(name.encode()).hexdigest()[:16]
+@dataclass(frozen=True)
+class ProfileKey:
+    """Everything a measured verify cost depends on; a profile is reused only where all match."""
+
+    model: str
+    threads: int
+    cpu: str  # model name and instruction-set flags
+    versions: str  # torch and transformers
+    code: str  # hash of the code that runs a verify (model preparation, verify, KV cache)
+
+    def digest(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cpu_fingerprint() -> str:
+    """The CPU's model name and feature flags (AVX512-BF16 and friends decide the fast paths)."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in info.read_text().splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return f"{fields.get('model name', '')}|{fields.get('flags', '')}"
+
+
+def _verify_code_hash() -> str:
+    """Hash of the modules whose change changes a verify's cost."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha1()
+    for name in ("model.py", "verify.py", "kvcache.py", "profile.py"):
+        digest.update((root / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def profile_key(base: BaseModel) -> ProfileKey:
+    """The key of `base`'s profile on this machine, with this software."""
+    return ProfileKey(model=f"{base.source}|ctx{PROFILE_CONTEXTS}|sizes{PROFILE_SIZES}",
+                      threads=torch.get_num_threads(), cpu=cpu_fingerprint() if base.device.type == "cpu"
+                      else f"{base.device}|{torch.cuda.get_device_name(base.device) if base.device.type == 'cuda' else ''}",
+                      versions=f"torch {torch.__version__}|transformers {transformers.__version__}",
+                      code=_verify_code_hash())
 
 
 @torch.inference_mode()
@@ -132,17 +175,30 @@ def verify_profile(base: BaseModel, cache_dir: Path = CACHE_DIR / "profiles") ->
         return _load_or_measure(base, cache_dir)
 
 
+BUSY_SPREAD = 0.15  # one-token costs measured before and after a profile may differ this much
+
+
 def _load_or_measure(base: BaseModel, cache_dir: Path) -> CostProfile:
-    path = cache_dir / f"{_profile_key(base)}.json"
+    path = cache_dir / f"{profile_key(base).digest()}.json"
     if path.exists():
         return CostProfile(**json.loads(path.read_text()))
+    before = _measure_row(base, (1,), PROFILE_CONTEXTS[0], repeats=5)[0]
     profile = measure_profile(base)
+    after = _measure_row(base, (1,), PROFILE_CONTEXTS[0], repeats=5)[0]
+    if not measured_quietly(before, after, profile.ms[0]):
+        return profile  # the machine was busy: use it for this run (the run corrects it), never cache it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(profile)))
     except OSError:
         pass  # read-only checkout: measure again next start
     return profile
+
+
+def measured_quietly(*one_token_ms: float) -> bool:
+    """True when repeated one-token measurements agree within BUSY_SPREAD (nothing else was
+    competing for the cores while the profile was taken)."""
+    return max(one_token_ms) <= (1 + BUSY_SPREAD) * min(one_token_ms)
 
 
 @dataclass

@@ -1,12 +1,15 @@
 """The adaptive budget's controller (`core.auto`): calibration from the heads' own scores only."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from core.auto import AutoBudget
 from core.drafters import Chain, HeadProposal
 from core.profile import CostProfile, DepthCalibration
 from core.records import DYNAMIC, PhaseTimes, StepRecord, TreeOutcome
+from core.tree import CandidateTree
 from core.tree_policy import DraftTree, build_draft_tree
 
 PROFILE = CostProfile(sizes=[1, 64], ms=[20.0, 40.0])
@@ -60,3 +63,76 @@ def test_expected_acceptance_takes_the_larger_of_head_and_chain_estimates():
     expected = dict(zip(grafted.tree.paths, AutoBudget(PROFILE).expected(grafted)))
     assert expected[first] == plain.head_scores[first]  # the head's own score is larger
     assert expected[grafted.chain_paths[0][1]] == 0.0005
+
+
+def _simulate_controller(profile: CostProfile, real_ms, accept_chance: float, steps: int = 240,
+                         seed: int = 0) -> tuple[list[float], list[float]]:
+    """Drive the real AutoBudget over a synthetic run: heads whose depth-d guess is right with
+    `accept_chance` (given the depths before it), verify times from `real_ms(tokens)`, 2 ms of
+    drafting on head steps. Returns per-step (tokens, ms)."""
+    import random
+    rng = random.Random(seed)
+    auto = AutoBudget(profile)
+    proposal = HeadProposal(probs=torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4),
+                            token_ids=torch.arange(16).reshape(4, 4))
+    tokens, times = [], []
+    for index in range(steps):
+        if auto.use_heads():
+            draft = build_draft_tree(proposal, [], budget=30, top_m=4, depth=4)
+            draft = draft.keep(size=auto.choose(draft, heads_used=True, context=100))
+            accepted = []
+            path: tuple[int, ...] = ()
+            while rng.random() < accept_chance and path + (0,) in draft.tree:
+                path = path + (0,)
+                accepted.append(path)
+            step = record(draft, accepted)
+            verify, draft_ms = real_ms(draft.tree.num_nodes + 1) / 1000, 0.002
+        else:
+            outcome = TreeOutcome(tree=CandidateTree(paths=[], kind="autoregressive"), node_tokens=[0],
+                                  node_scores=[1.0], accepted_nodes=[0], bonus_token=1, head_scores=[1.0])
+            step = StepRecord(index=index, strategy="autoregressive", context_length=100, head_token_ids=[],
+                              head_probs=[], outcome=outcome, new_tokens=[1], times=PhaseTimes())
+            verify, draft_ms = real_ms(1) / 1000, 0.0
+        step = replace(step, index=index, times=PhaseTimes(heads=draft_ms, verify=verify))
+        auto.observe(step)
+        tokens.append(len(step.new_tokens))
+        times.append(1000 * step.times.total)
+    return tokens, times
+
+
+def test_a_wrong_profile_is_corrected_within_twenty_steps():
+    """The profile says a 2-token verify costs what one token costs (as measured on a busy machine,
+    or before a code change); really it costs 1.7x, and the heads are right 30 % of the time.
+    The controller must find out and run at >= 0.97x plain decoding from step 20 on."""
+    wrong = CostProfile(sizes=[1, 2, 64], ms=[34.0, 34.0, 60.0])
+    real = lambda tokens: 20.0 if tokens == 1 else 34.0 + 0.4 * (tokens - 2)  # noqa: E731
+    tokens, times = _simulate_controller(wrong, real, accept_chance=0.3)
+    plain = 1 / 20.0
+    rate = sum(tokens[20:]) / sum(times[20:])
+    assert rate >= 0.97 * plain, rate / plain
+    late = sum(tokens[120:]) / sum(times[120:])
+    assert late >= 0.97 * plain, late / plain  # and it stays there
+
+
+def test_the_old_controller_fails_that_case():
+    """The control: trusting the profile's one-token cost (no correction, no probes) stays slow."""
+    import core.auto as auto_module
+    wrong = CostProfile(sizes=[1, 2, 64], ms=[34.0, 34.0, 60.0])
+    real = lambda tokens: 20.0 if tokens == 1 else 34.0 + 0.4 * (tokens - 2)  # noqa: E731
+    original = (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor)
+    try:
+        auto_module.AutoBudget.probe_plain = lambda self: False
+        auto_module.CostCorrection.factor = lambda self, tokens: 1.0
+        tokens, times = _simulate_controller(wrong, real, accept_chance=0.3)
+    finally:
+        auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor = original
+    assert sum(tokens[20:]) / sum(times[20:]) < 0.9 / 20.0
+
+
+def test_an_exact_profile_with_good_heads_keeps_the_trees():
+    """Probing costs little: with heads right 80 % of the time and an exact profile, trees keep
+    paying (>= 1.5x plain) despite the plain probe every PROBE_EVERY steps."""
+    real = lambda tokens: 20.0 if tokens == 1 else 22.0 + 0.4 * (tokens - 2)  # noqa: E731
+    exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 22.0, 46.8])
+    tokens, times = _simulate_controller(exact, real, accept_chance=0.8)
+    assert sum(tokens[20:]) / sum(times[20:]) >= 1.5 / 20.0

@@ -5,8 +5,10 @@ import json
 
 import pytest
 
+import core.profile as profile_module
 from core.decoder import DecodeConfig, decode
 from core.profile import CostProfile, DepthCalibration, best_prefix, verify_profile
+from tests.tiny import tiny_base
 
 FLAT = CostProfile(sizes=[1, 128], ms=[20.0, 20.0])
 STEEP = CostProfile(sizes=[1, 2, 4, 8, 16, 32, 64], ms=[40, 64, 60, 59, 73, 91, 147])
@@ -42,7 +44,9 @@ def test_calibration_scales_overconfident_depths():
     assert calibration.factor(1) > 0.9 and calibration.factor(2) < 0.1
 
 
-def test_profile_is_measured_once_and_cached(base_fp32, tmp_path):
+def test_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(profile_module, "measured_quietly", lambda *ms: True)
+    base_fp32 = tiny_base("llama")
     verify_profile.cache_clear()
     profile = verify_profile(base_fp32, tmp_path)
     files = list(tmp_path.glob("*.json"))
@@ -50,6 +54,34 @@ def test_profile_is_measured_once_and_cached(base_fp32, tmp_path):
     assert all(a <= b for a, b in zip(profile.ms, profile.ms[1:])) and profile.ms[0] > 0
     verify_profile.cache_clear()
     assert verify_profile(base_fp32, tmp_path) == profile  # read back, not re-measured
+    verify_profile.cache_clear()
+
+
+def test_a_busy_measurement_is_used_but_never_cached(tmp_path, monkeypatch):
+    """One-token costs before and after the profile disagree (something else ran): not kept."""
+    times = iter([[10.0], [19.0]])
+    monkeypatch.setattr(profile_module, "_measure_row", lambda *args, **kwargs: next(times))
+    monkeypatch.setattr(profile_module, "measure_profile", lambda base: CostProfile(sizes=[1, 2], ms=[12.0, 14.0]))
+    profile = profile_module._load_or_measure(tiny_base("llama"), tmp_path)
+    assert profile.ms == [12.0, 14.0] and not list(tmp_path.glob("*.json"))
+    assert profile_module.measured_quietly(10.0, 11.0, 10.5) and not profile_module.measured_quietly(10.0, 19.0)
+
+
+def test_profile_key_knows_the_machine_and_the_software(monkeypatch):
+    base = tiny_base("llama")
+    first = profile_module.profile_key(base)
+    changes = {"cpu_fingerprint": lambda: "Other CPU|avx512_bf16", "_verify_code_hash": lambda: "0123456789ab"}
+    for name, replacement in changes.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(profile_module, name, replacement)
+            assert profile_module.profile_key(base).digest() != first.digest(), name
+    with monkeypatch.context() as patch:
+        patch.setattr(profile_module.transformers, "__version__", "0.0.1")
+        assert profile_module.profile_key(base).digest() != first.digest()
+    with monkeypatch.context() as patch:
+        patch.setattr(profile_module.torch, "get_num_threads", lambda: 64)
+        assert profile_module.profile_key(base).digest() != first.digest()
+    assert profile_module.profile_key(base) == first  # and it is stable
 
 
 def test_auto_budget_stays_lossless(base_fp32, shipped_heads, mt_bench_prompts):
