@@ -34,7 +34,7 @@ KEY_TOKENS = 12  # suffixes are sorted on this many tokens: matches + continuati
 MAX_MATCH = 6
 MIN_MATCH = 3  # two-token matches are everywhere in 406k tokens and predict little
 STORE_TOKENS = 8  # the chain length the benchmark and the app use
-MAX_OCCURRENCES = 128  # occurrences read per search (the store's sort puts them in arbitrary order)
+MAX_OCCURRENCES = 128  # occurrences read per search: an evenly spaced sample of all of them
 SEPARATOR = -1  # between answers: no match or continuation crosses it
 SHIPPED_ANSWERS = REPO_ROOT / "assets" / "distill" / "distill.jsonl.gz"
 STORE_ENV = "MEDUSA_LAB_STORE"
@@ -94,7 +94,7 @@ class TokenStore:
         length, positions = self.search(context)
         if length < min_match or not len(positions):
             return length, []
-        positions = positions[-MAX_OCCURRENCES:]
+        positions = fair_sample(positions, MAX_OCCURRENCES)
         if depth <= 0:
             return length, []
         starts = positions + length  # [occ] where the continuation begins
@@ -115,6 +115,15 @@ class TokenStore:
             if len(chosen) == branches:
                 break
         return length, chosen
+
+
+def fair_sample(positions: np.ndarray, size: int) -> np.ndarray:
+    """At most `size` of `positions`, evenly spaced over them. The suffix array sorts occurrences
+    by what follows them, so an even spacing keeps each continuation's share (a slice from one
+    end would keep the continuations that sort last and drop the most frequent one)."""
+    if len(positions) <= size:
+        return positions
+    return positions[np.linspace(0, len(positions) - 1, size).round().astype(np.int64)]
 
 
 def read_answers(paths: Iterable[Path]) -> list[list[int]]:

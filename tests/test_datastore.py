@@ -1,6 +1,8 @@
 """The datastore drafter: suffix-array search, continuation counts, and exact decoding with it."""
 from __future__ import annotations
 
+import pytest
+
 import random
 
 from core.datastore import SEPARATOR, StoreDrafter, TokenStore
@@ -79,3 +81,18 @@ def test_forks_share_the_read_only_store():
     drafter = StoreDrafter(store, max_tokens=2)
     twin = copy.deepcopy(drafter)
     assert twin.store is store and twin.stats is not drafter.stats
+
+
+def test_many_occurrences_are_sampled_fairly():
+    """300 occurrences of one context: 200 continue with token 7, 100 with token 9 (which sorts
+    after 7). A sample taken from one end of the sorted suffixes would see only 9s; the store
+    must rank 7 first with about its true share."""
+    from core.datastore import MAX_OCCURRENCES, TokenStore
+    sequences = [[1, 2, 3, 7, 7] for _ in range(200)] + [[1, 2, 3, 9, 9] for _ in range(100)]
+    store = TokenStore(sequences)
+    length, positions = store.search([5, 1, 2, 3])
+    assert length == 3 and len(positions) == 300 > MAX_OCCURRENCES
+    _, branches = store.continuations([5, 1, 2, 3], depth=2, branches=2)
+    (first, first_share), (second, second_share) = branches
+    assert first == [7, 7] and second == [9, 9]
+    assert first_share[0] == pytest.approx(2 / 3, abs=0.02) and second_share[0] == pytest.approx(1 / 3, abs=0.02)
