@@ -131,8 +131,6 @@ def _profile(run: Run) -> CostProfile | None:
 def _why(run: Run, profile: CostProfile | None, winning: bool) -> str:
     """The verify cost of this run's trees against one token, and the tokens a step yields."""
     records = run.session.records
-    if run.settings.strategy == AUTOREGRESSIVE:
-        return "this is plain decoding"
     if profile is None or not records:
         return ""
     tokens = sum(r.outcome.tree.num_nodes + 1 for r in records) / len(records)
@@ -148,6 +146,8 @@ def _why(run: Run, profile: CostProfile | None, winning: bool) -> str:
 
 def speed_vs_plain(lab: LabState, run: Run) -> PlainComparison:
     """This run's decode tokens/s over plain decoding's: measured when a plain run exists, else estimated."""
+    if run.settings.strategy == AUTOREGRESSIVE:
+        return PlainComparison(None, True, "this run is plain decoding: the yardstick", "")
     records = run.session.records
     seconds = sum(r.times.total for r in records)
     emitted = max(len(run.session.output_ids) - 1, 0)  # the first token comes from the prefill

@@ -495,8 +495,17 @@ def test_speed_card_says_how_the_run_compares_with_plain_decoding():
     page = stats_html(RunStats(tokens=40, steps=12, mean_accepted=3.2, tokens_per_s=27.0, vs_plain=1.93,
                                vs_plain_basis="estimated from the verify-cost profile (1 token)",
                                vs_plain_why="wins: a verify of 20 tokens costs 30 ms"))
-    assert "1.9× plain decoding (estimated)" in page and 'sub wins' in page and "This setting wins" in page
+    # an estimate is said to be one and carries no verdict
+    assert "≈ 1.9× plain decoding (estimated" in page
+    assert "wins" not in page.replace("wins: a verify", "") and "loses" not in page and "This setting" not in page
     page = stats_html(RunStats(tokens_per_s=5.0, vs_plain=0.42, vs_plain_basis="measured plain run",
                                vs_plain_why="loses: a verify of 64 tokens costs 90 ms against 30 ms"))
     assert "0.42× plain decoding (measured)" in page and "speed-note loses" in page
+    page = stats_html(RunStats(tokens_per_s=12.0, vs_plain=1.31, vs_plain_basis="measured plain run",
+                               vs_plain_why="wins: a verify of 20 tokens costs 30 ms"))
+    assert "1.3× plain decoding (measured)" in page and "sub wins" in page and "This setting wins" in page
+    # plain decoding is the yardstick: no ratio against itself
+    page = stats_html(RunStats(tokens_per_s=15.0, vs_plain=None,
+                               vs_plain_basis="this run is plain decoding: the yardstick"))
+    assert "× plain" not in page and "the yardstick" in page and "This setting" not in page
     assert PLOT_WIDTH_PX >= 900

@@ -189,22 +189,34 @@ class RunStats:
     vs_plain_why: str = ""  # wins/loses and why (verify cost of the tree against one token)
 
 
+def _measured(stats: RunStats) -> bool:
+    return stats.vs_plain_basis.startswith("measured")
+
+
 def _speed_card(stats: RunStats) -> str:
+    """Tokens/s, and the ratio to plain decoding: a verdict (wins / loses) only when measured;
+    an estimate is marked as one and coloured neutrally; plain decoding is never compared with itself."""
     if stats.vs_plain is None:
-        sub = ""
-    else:
-        kind = "measured" if stats.vs_plain_basis.startswith("measured") else "estimated"
+        sub = (f'<div class="sub neutral">{escape(stats.vs_plain_basis)}</div>' if stats.vs_plain_basis else "")
+    elif _measured(stats):
         state = "wins" if stats.vs_plain >= 1.0 else "loses"
         ratio = f"{stats.vs_plain:.1f}" if stats.vs_plain >= 0.95 else f"{stats.vs_plain:.2f}"
         sub = (f'<div class="sub {state}" title="{escape(stats.vs_plain_basis)}">{ratio}× plain '
-               f'decoding ({kind})</div>')
+               f'decoding (measured)</div>')
+    else:
+        sub = (f'<div class="sub neutral" title="{escape(stats.vs_plain_basis)}">≈ {stats.vs_plain:.1f}× plain '
+               f'decoding (estimated, not yet measured)</div>')
     return (f'<div class="card speed"><div class="v">{stats.tokens_per_s:.1f}</div><div class="k">tokens / s</div>'
             f'{sub}</div>')
 
 
 def _speed_note(stats: RunStats) -> str:
+    """Why the run wins or loses, once the plain run is measured; before, what the estimate rests on."""
     if not stats.vs_plain_why or stats.vs_plain is None:
         return ""
+    if not _measured(stats):
+        return (f'<div class="speed-note neutral">An estimate ({escape(stats.vs_plain_basis)}); the verdict comes '
+                f'when the plain run of this prompt is measured (at the end of the run, or press Check).</div>')
     state = "wins" if stats.vs_plain >= 1.0 else "loses"
     return (f'<div class="speed-note {state}">This setting {escape(stats.vs_plain_why)} '
             f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
