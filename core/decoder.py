@@ -310,6 +310,7 @@ class DecodeSession:
         """The step's tree: the policy's tree, cut to the context, then (auto) to the best prefix."""
         fixed = self.fixed if self.config.strategy == FIXED else None
         draft = build_draft_tree(heads, chains, self.config.budget, self.config.top_m, self.config.depth, fixed)
+        draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
         if draft.tree.max_depth > max_depth:
             draft = draft.keep(max_depth=max_depth)
         if self.auto is not None:
@@ -346,6 +347,7 @@ class DecodeSession:
         context = cache_length(self.cache)
         c0 = _clock(device)
         draft = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
+        draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
         comparison, _, _, _ = self._verify_and_accept(draft.keep(max_depth=max_depth))
         truncate(self.cache, context)
         return comparison, _clock(device) - c0

@@ -36,7 +36,21 @@ class DraftTree:
         paths = self.tree.paths[:size] if size is not None else self.tree.paths
         if max_depth is not None:
             paths = [p for p in paths if len(p) <= max_depth]
-        kept = set(paths)
+        return self._restricted(set(paths))
+
+    def stop_after(self, root_token: int, stop_tokens: frozenset[int]) -> "DraftTree":
+        """The tree without the descendants of any node whose token ends the text (EOS): a path
+        stops there, as decoding does, so nothing after it is verified or accepted."""
+        if not stop_tokens or self.tree.num_nodes == 0:
+            return self
+        tokens = self.tree.node_tokens(root_token, self.token_table).tolist()  # [n+1]
+        ends = {path for path, token in zip(self.tree.paths, tokens[1:]) if token in stop_tokens}
+        kept = {p for p in self.tree.paths if not any(p[:d] in ends for d in range(1, len(p)))}
+        return self if len(kept) == self.tree.num_nodes else self._restricted(kept)
+
+    def _restricted(self, kept: set[RankPath]) -> "DraftTree":
+        """This tree on the prefix-closed subset `kept` of its paths, order and scores kept."""
+        paths = [p for p in self.tree.paths if p in kept]
         scores = self.tree.scores
         tree = CandidateTree(paths=paths, kind=self.tree.kind,
                              scores=[s for p, s in zip(self.tree.paths, scores) if p in kept] if scores else None)
