@@ -175,10 +175,35 @@ def check_supported(model: PreTrainedModel) -> None:
         raise ValueError(f"attention implementation {attention!r} is not supported: the tree mask is honoured only "
                          f"by {', '.join(sorted(SUPPORTED_ATTENTION))} (load the model with attn_implementation='sdpa')")
     _check_full_attention(config)
+    _check_rope(config)
     for name in LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
         if value is not None and value != 1:
             raise ValueError(f"{name}={value} is not supported: the decoder's logits are lm_head(hidden) alone")
+
+
+# RoPE types whose frequencies are fixed (not a function of the longest position in a forward):
+# a tree verify and a plain step rotate a position identically. The tests decode each exactly.
+EXACT_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+
+def _rope_types(config: PretrainedConfig) -> set[str]:
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(parameters, dict) and parameters and all(isinstance(v, dict) for v in parameters.values()):
+        return {str(v.get("rope_type", v.get("type", "default"))) for v in parameters.values()}  # per layer type
+    if isinstance(parameters, dict):
+        return {str(parameters.get("rope_type", parameters.get("type", "default")))}
+    return {"default"}
+
+
+def _check_rope(config: PretrainedConfig) -> None:
+    """Refuse RoPE variants whose rotation depends on the forward's length (longrope, dynamic NTK,
+    YaRN variants): a tree verify reaches other positions than a plain step and would rotate differently."""
+    other = sorted(_rope_types(config) - EXACT_ROPE_TYPES)
+    if other:
+        raise ValueError(f"RoPE type {', '.join(other)} is not supported: its frequencies may depend on the longest "
+                         f"position in a forward, so tree and plain steps could rotate a position differently; "
+                         f"exact here: {', '.join(sorted(EXACT_ROPE_TYPES))}")
 
 
 def _check_full_attention(config: PretrainedConfig) -> None:

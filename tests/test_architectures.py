@@ -79,7 +79,12 @@ REFUSED = [
     ("gpt_neox", {}, None, "model type 'gpt_neox'"),
     ("cohere", {}, None, "model type 'cohere'"),
     ("llama", {}, "flex_attention", "attention implementation 'flex_attention'"),
+    ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                               "original_max_position_embeddings": 64}}, None, "RoPE type longrope"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, "RoPE type dynamic"),
 ]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 
 
 @pytest.mark.parametrize("arch, overrides, attention, words", REFUSED,
@@ -132,6 +137,13 @@ def test_load_base_model_runs_the_check(tmp_path):
 def test_tiny_base_refuses_like_load_base_model():
     with pytest.raises(ValueError, match="sliding"):
         tiny_base("mistral", sliding_window=4096)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, LLAMA3_ROPE], ids=["linear", "llama3"])
+def test_static_rope_variants_are_accepted_and_exact(rope: dict[str, Any]):
+    base = tiny_base("llama", rope_scaling=rope)
+    plain = greedy_reference(base, PROMPT, NEW_TOKENS)
+    assert decode(base, tiny_heads(base), PROMPT, STRATEGIES["dynamic"]).output_ids == plain
 
 
 @pytest.mark.parametrize("arch, overrides", [
