@@ -318,8 +318,10 @@ class DecodeSession:
             draft = draft.keep(size=self.auto.choose(draft, heads_used=heads is not None, context=context))
         return draft
 
-    def _verify_and_accept(self, draft: DraftTree) -> tuple[TreeOutcome, VerifyOutput, float, float]:
-        """Verify the tree on top of the cache and apply the acceptance rule (the cache keeps the tree)."""
+    def _verify_and_accept(self, draft: DraftTree, generator: torch.Generator | None = None
+                           ) -> tuple[TreeOutcome, VerifyOutput, float, float]:
+        """Verify the tree on top of the cache and apply the acceptance rule (the cache keeps the tree).
+        `generator`: the random source of sampling rules (default: the session's own)."""
         device = self.base.device
         tree = draft.tree
         buffers = tree.buffers()
@@ -328,7 +330,7 @@ class DecodeSession:
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
         out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
         t1 = _clock(device)
-        result = accept(tree, tokens, out, self.config.accept, self.generator)
+        result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
         t2 = _clock(device)
         token_list = tokens.tolist()
         head_scores = draft.node_head_scores()
@@ -348,7 +350,11 @@ class DecodeSession:
         c0 = _clock(device)
         draft = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
         draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
-        comparison, _, _, _ = self._verify_and_accept(draft.keep(max_depth=max_depth))
+        # a copy of the session's random state: the comparison sees the draws the real tree will
+        # see, and never advances them (ticking the comparison must not change the sampled text)
+        twin = torch.Generator()
+        twin.set_state(self.generator.get_state())
+        comparison, _, _, _ = self._verify_and_accept(draft.keep(max_depth=max_depth), twin)
         truncate(self.cache, context)
         return comparison, _clock(device) - c0
 

@@ -49,6 +49,10 @@ def test_every_strategy_emits_what_generate_emits_near_the_limit(tiny, name, pro
     assert session.stop_reason == ("max_new_tokens" if new_tokens <= fits else "context")
     deepest = max((len(p) for r in session.records for p in r.outcome.tree.paths), default=0)
     assert prompt_length + deepest <= MAX_POSITIONS
+    # every node of every step sits at a position the model has: the root at the step's context
+    # length, a node of depth d at context + d (without the pruning, trees reach past the end)
+    highest = max(r.context_length + r.outcome.tree.max_depth for r in session.records)
+    assert highest <= MAX_POSITIONS - 1
 
 
 def test_a_prompt_that_fills_the_context_is_refused(tiny):

@@ -37,3 +37,17 @@ def test_the_fixed_tree_comparison_stops_at_eos():
     comparison, _ = session._compare_fixed(proposal, max_depth=3)
     assert comparison.accepted_tokens == greedy[1:3]
     assert comparison.tree.num_nodes == 2
+
+
+def test_the_fixed_tree_comparison_does_not_change_sampled_text():
+    """Same seed, sampling: ticking the side-by-side comparison must not change the output."""
+    from core.accept import AcceptConfig
+    from core.decoder import decode
+    from core.sampling import SamplingConfig
+    base = tiny_base("llama")
+    heads = tiny_heads(base, num_heads=4)
+    accept = AcceptConfig(rule="typical", sampling=SamplingConfig(temperature=0.9))
+    outputs = [decode(base, heads, PROMPT, DecodeConfig(strategy="dynamic", budget=12, max_new_tokens=40, seed=3,
+                                                        accept=accept, compare_fixed=compare)).output_ids
+               for compare in (False, True)]
+    assert outputs[0] == outputs[1]
