@@ -27,7 +27,7 @@ from core.auto import AutoBudget
 from core.datastore import StoreDrafter, TokenStore, default_store
 from core.drafters import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, HydraDrafter, LookupDrafter
 from core.heads import MedusaHeads
-from core.hydra import GrownTree, HydraHeads
+from core.hydra import HYDRA_BEAM, GrownTree, HydraHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
 from core.profile import CostProfile, verify_profile
@@ -76,7 +76,7 @@ class DecodeConfig:
     lookup_chains: int = 1
     store_tokens: int = 0
     store_branches: int = 3
-    hydra_beam: int = 8
+    hydra_beam: int = HYDRA_BEAM
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -39,6 +39,7 @@ from core.model import REPO_ROOT, linear_rows
 from core.tree import CandidateTree, RankPath
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
+HYDRA_BEAM = 8  # nodes expanded per depth (DecodeConfig.hydra_beam's default)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
     """The `budget` best nodes of a tree grown depth by depth from `root_token` (module docstring).
 
     hidden: [H] the base model's hidden state that predicted the root. One batched head call
-    per depth over at most `beam` frontier nodes, `width` children each."""
+    per depth over at most `beam` frontier nodes: `width` children of the root, min(width, beam)
+    of each deeper node."""
     depth = min(depth, heads.config.num_heads)
     device = hidden.device
     grown: list[_Node] = []
@@ -171,8 +173,11 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
     greedy_probs, greedy_ids = [], []
     for level in range(1, depth + 1):
         paths = torch.tensor([(root_token,) + node.tokens for node in frontier], device=device)  # [B, level]
+        # the root's children: `width` of them; deeper, no node needs more children than the
+        # next frontier can hold
+        children = width if level == 1 else min(width, beam)
         probs, ids = _children(heads, embed, projection, hidden[None].to(next(heads.parameters()).dtype),
-                               paths, width)  # [B, width] each
+                               paths, children)  # [B, children] each
         greedy_probs.append(probs[0])
         greedy_ids.append(ids[0])
         level_nodes = []

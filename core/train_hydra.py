@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core.heads import MedusaHeads, default_heads
-from core.hydra import GrownTree, HydraConfig, HydraHeads, grow_tree
+from core.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
 from core.model import BaseModel, fast_bf16
 from core.simulate import TreeSpec, simulate
 from core.tree import CandidateTree
@@ -28,8 +28,8 @@ from core.train import (Features, TrainConfig, draft_coverage, draft_loss, fit, 
                         run_training, TrainVocab, train_vocab)
 
 BUDGETS = (8, 16, 32, 64, 128)
-BEAM = 16
-WIDTH = 16
+BEAM = HYDRA_BEAM  # as the decoder grows its trees by default
+WIDTH = 32  # the decoder's default top_m: children of the root
 
 
 def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor, features: Features, index: torch.Tensor,

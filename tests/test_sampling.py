@@ -10,6 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, start_session
 from core.heads import HeadsConfig, MedusaHeads
+from core.datastore import TokenStore
+from core.hydra import HydraConfig, HydraHeads
 from core.model import BaseModel, ModelConfig
 from core.sampling import SamplingConfig, sampling_probs
 
@@ -58,11 +60,14 @@ def exact_three_token_distribution(base: BaseModel, sampling: SamplingConfig) ->
     return picked.prod(dim=1).double()
 
 
-def draw_counts(base: BaseModel, heads: MedusaHeads, rule: str, sampling: SamplingConfig, draws: int = DRAWS) -> torch.Tensor:
+def draw_counts(base: BaseModel, heads: MedusaHeads | HydraHeads, rule: str, sampling: SamplingConfig,
+                draws: int = DRAWS, store: TokenStore | None = None) -> torch.Tensor:
     counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
-    config = DecodeConfig(strategy="dynamic", budget=10, top_m=3, depth=3, max_new_tokens=3, record_texts=False,
-                          accept=AcceptConfig(rule=rule, sampling=sampling))
-    root_session = start_session(base, heads, PROMPT, config)
+    strategy = "hydra" if isinstance(heads, HydraHeads) else "dynamic"
+    config = DecodeConfig(strategy=strategy, budget=10, top_m=3, depth=3, max_new_tokens=3, record_texts=False,
+                          accept=AcceptConfig(rule=rule, sampling=sampling), hydra_beam=3,
+                          lookup_tokens=3 if store is not None else 0, store_tokens=3 if store is not None else 0)
+    root_session = start_session(base, heads, PROMPT, config, store=store)
     first_token_probs = sampling_probs(base.model(input_ids=torch.tensor([PROMPT])).logits[0, -1], sampling)
     generator = torch.Generator().manual_seed(1234)
     for seed in range(draws):
@@ -97,6 +102,44 @@ def test_tree_speculative_sampling_matches_plain_sampling(tiny, sampling):
     exact = exact_three_token_distribution(base, sampling)
     threshold = null_threshold(exact)
     assert total_variation(draw_counts(base, heads, "speculative", sampling), exact) < threshold
+
+
+@pytest.fixture(scope="module")
+def tiny_hydra(tiny) -> HydraHeads:
+    """Random Hydra heads on the same tiny model: their children depend on the path."""
+    torch.manual_seed(1)
+    heads = HydraHeads(HydraConfig(num_heads=3, hidden_size=32, vocab_size=VOCAB, draft_vocab_size=0))
+    for head in heads.heads:
+        torch.nn.init.normal_(head.mix.weight, std=0.5)
+        torch.nn.init.normal_(head.blocks[0].linear.weight, std=1.0)
+    return heads.eval().requires_grad_(False)
+
+
+def test_hydra_tree_speculative_sampling_matches_plain_sampling(tiny, tiny_hydra):
+    base, _ = tiny
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_three_token_distribution(base, sampling)
+    assert total_variation(draw_counts(base, tiny_hydra, "speculative", sampling), exact) < null_threshold(exact)
+
+
+def test_control_typical_acceptance_with_hydra_is_biased(tiny, tiny_hydra):
+    base, _ = tiny
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_three_token_distribution(base, sampling)
+    draws = 4000
+    assert total_variation(draw_counts(base, tiny_hydra, "typical", sampling, draws), exact) > \
+        null_threshold(exact, draws)
+
+
+def test_sampling_with_lookup_chains_and_datastore_branches_matches_plain(tiny):
+    """Chains (prompt lookup) and datastore branches join the tree on their own columns; the
+    speculative rule must stay exact with them (the prompt repeats, so lookup proposes)."""
+    base, heads = tiny
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_three_token_distribution(base, sampling)
+    store = TokenStore([[1, 4, 2, 5, 3, 3, 1], [4, 2, 5, 0, 1, 2], [2, 5, 4, 4, 4]])
+    assert total_variation(draw_counts(base, heads, "speculative", sampling, store=store), exact) < \
+        null_threshold(exact)
 
 
 def test_control_typical_acceptance_is_biased(tiny):
