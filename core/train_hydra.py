@@ -170,7 +170,7 @@ def hydra_report(base: BaseModel, heads: nn.Module, sets: dict[str, list[dict]])
                           "top1": [a[0] for a in accuracy], "top5": [a[4] for a in accuracy],
                           "top1_own_guesses": own, "tokens_per_step": tokens}
     return {"family": "hydra", "eval": "base fp32 greedy answers (128 new tokens), teacher-forced; "
-            f"tree grown with beam {BEAM}, {WIDTH} children per node", "draft_vocab": heads.config.draft_vocab_size,
+            f"tree grown with beam {BEAM}: {WIDTH} children of the root, {BEAM} of each deeper node", "draft_vocab": heads.config.draft_vocab_size,
             "held_out": held_out}
 
 

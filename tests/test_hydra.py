@@ -125,3 +125,23 @@ def test_hydra_loss_reads_the_true_path():
     manual = -torch.log_softmax(logits, -1)[0, 7]
     part, _ = draft_loss(states, vocab, features, torch.tensor([2]))
     assert torch.allclose(part, manual, atol=1e-5)
+
+
+def test_hydra_steps_draw_in_every_view(base, hydra):
+    """A Hydra step's tree, verification table and heads table render, naming Hydra's nodes as
+    children of their parent (not as ranks of a shared head table)."""
+    from viz.text_html import heads_html
+    from viz.tree_plot import tree_figure
+    from viz.verify_view import verification_html
+    session = decode(base, hydra, PROMPT, DecodeConfig(strategy="hydra", budget=20, top_m=6, max_new_tokens=12))
+    record = max(session.records, key=lambda r: r.outcome.tree.num_nodes)
+    assert record.outcome.grown and record.outcome.tree.num_nodes == 20
+    ranks = record.outcome.sibling_ranks()
+    parents = record.outcome.tree.parents
+    for node in range(1, len(ranks)):  # sibling ranks follow the scores under each parent
+        siblings = [n for n in range(1, len(ranks)) if parents[n] == parents[node]]
+        assert sorted(ranks[n] for n in siblings) == list(range(len(siblings)))
+    figure = tree_figure(record.outcome, "Hydra", "", None)
+    assert len(figure.data) > 0
+    assert "Hydra head 1, child" in verification_html(record, greedy=True)
+    assert "Hydra heads read the path" in heads_html(record)

@@ -152,10 +152,7 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None)
     if not record.head_probs:
         return ('<div class="heads-table empty">No heads in this step: autoregressive decoding asks only the '
                 'base model for one token.</div>')
-    copied = record.outcome.lookup_nodes
-    accepted_ranks = {len(path): path[-1] for node, path in
-                      ((node, record.outcome.tree.paths[node - 1]) for node in record.outcome.accepted_nodes[1:])
-                      if node not in copied}
+    accepted_ranks = _accepted_ranks(record)
     header = "".join(f"<th>rank {r}</th>" for r in range(len(record.head_probs[0])))
     rows = []
     for depth, (probs, ids) in enumerate(zip(record.head_probs, record.head_token_ids), start=1):
@@ -168,9 +165,36 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None)
             shade = min(1.0, p ** 0.5) if p == p else 0.0  # sqrt: small probabilities stay visible
             cells.append(f'<td{mark} style="--p:{shade:.3f}"><code>{tick}{escape(visible(text))}</code>'
                          f"<small>{p:.3f}</small></td>")
-        rows.append(f"<tr><th>head {depth}<br><small>guesses t+{depth + 1}</small></th>{''.join(cells)}</tr>")
-    return (f'<div class="heads-table"><table><thead><tr><th></th>{header}</tr></thead>'
+        what = "after the best path" if record.outcome.grown else f"guesses t+{depth + 1}"
+        rows.append(f"<tr><th>head {depth}<br><small>{what}</small></th>{''.join(cells)}</tr>")
+    caption = ('<caption>Hydra heads read the path: row d is head d\'s guesses after the best guesses of the rows '
+               'above (other branches of the tree got their own)</caption>') if record.outcome.grown else ""
+    return (f'<div class="heads-table"><table>{caption}<thead><tr><th></th>{header}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+
+def _accepted_ranks(record: StepRecord) -> dict[int, int]:
+    """depth -> the rank (column of the table) the accepted path took there, where it is shown.
+
+    Medusa heads: the accepted node's rank. Hydra heads: the table holds the conditionals along
+    the best path, so a cell is marked only while the accepted path follows that path."""
+    outcome = record.outcome
+    copied = outcome.lookup_nodes
+    heads_nodes = [node for node in outcome.accepted_nodes[1:] if node not in copied]
+    if not outcome.grown:
+        return {len(outcome.tree.paths[node - 1]): outcome.tree.paths[node - 1][-1] for node in heads_nodes}
+    ranks: dict[int, int] = {}
+    for depth, node in enumerate(outcome.accepted_nodes[1:], start=1):
+        if depth > len(record.head_token_ids) or node in copied:
+            break
+        row = record.head_token_ids[depth - 1]
+        token = outcome.node_tokens[node]
+        if token not in row:
+            break
+        ranks[depth] = row.index(token)
+        if ranks[depth] != 0:
+            break  # off the best path: the rows below are conditioned on another token
+    return ranks
 
 
 @dataclass(frozen=True)
