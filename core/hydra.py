@@ -188,7 +188,9 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         grown += level_nodes
         # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed
         frontier = sorted(level_nodes, key=lambda n: -n.score)[: min(beam, budget)]
-    return _best_first(grown, budget, torch.stack(greedy_probs), torch.stack(greedy_ids))
+    shown = min(len(row) for row in greedy_ids)  # the root has more children than deeper nodes
+    return _best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
+                       torch.stack([r[:shown] for r in greedy_ids]))
 
 
 def _best_first(grown: list[_Node], budget: int, greedy_probs: torch.Tensor, greedy_ids: torch.Tensor) -> GrownTree:

@@ -27,7 +27,7 @@ from core.tree import CandidateTree
 from core.train import (Features, TrainConfig, draft_coverage, draft_loss, fit, frequency_vocab, parse_config,
                         run_training, TrainVocab, train_vocab)
 
-BUDGETS = (8, 16, 32, 64, 128)
+BUDGETS = (16, 32, 64)
 BEAM = HYDRA_BEAM  # as the decoder grows its trees by default
 WIDTH = 32  # the decoder's default top_m: children of the root
 
