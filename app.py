@@ -611,46 +611,7 @@ def _clear_trace() -> None:
 
 
 # -- layout ---------------------------------------------------------------------------------------
-HOW_IT_WORKS = """
-**Heads.** The base model reads the text and, at its last position, predicts the next token: the
-*root* of this step's tree (left column). Medusa adds K small *heads* on the same hidden state; head k
-guesses the token k+1 positions ahead. The **Heads** table under the trees lists each head's top guesses
-with their probabilities. The shipped heads were trained on about 406k tokens of the model's own answers:
-on MT-Bench head 1's top guess is right about 26 % of the time and within its top 5 about 50 %, so
-expect about 1.7-1.9 tokens per step from a 63-node tree (Medusa's heads on Vicuna-7B: 56 % and 78 %).
-
-**Trees.** Combining the heads' guesses gives candidate continuations: a path root → head 1 rank r1 →
-head 2 rank r2 … is one guess of the next tokens. Medusa's *fixed* tree uses the same rank paths at every
-step (lower plot). The *dynamic* tree (upper plot) picks, at every step, the *budget* paths with the highest
-joint probability p1[r1]·p2[r2]·…, so it grows where the heads are confident. Node colour and size show that
-joint probability. With **+ prompt lookup**, one more branch (◆ nodes) copies the tokens that followed the
-last place where the text's final words appeared before (in the prompt or the answer so far): heads guess
-what the model would write, lookup guesses what it will copy (names, numbers, lists, code). Copied tokens
-that are accepted get a dashed purple underline in the text; accepted head guesses are underlined by depth
-(solid, double, dotted, wavy for depths 1-4), and hovering any token names who guessed it.
-
-**Tree attention.** All candidates are checked in **one** forward pass of the base model. The
-**Attention mask** tab shows how: each node may look at the whole context and at its own ancestors only,
-so every branch is scored as if it were the only continuation. Position ids are context length + depth.
-
-**Acceptance.** The base model's predictions at each node decide which path survives (green); the
-**Verification** table under the tree shows, depth by depth, the base model's own token beside the
-candidates there (✓/✗) and where the path stopped. *Greedy*
-keeps the longest path that matches the base model's argmax, so the text is exactly plain greedy
-decoding's (the check card above says so); *typical* (Medusa's rule) accepts any plausible token: faster,
-but it does **not** preserve the sampling distribution;
-*speculative* sampling accepts with rejection sampling and keeps the sampling distribution. After the
-accepted path the base model's own next token comes for free: the orange **bonus** token, which is the
-next step's root. A step therefore emits accepted guesses + 1 tokens.
-
-**Time.** The **Timing** tab shows where each step's time goes. Verifying a bigger tree costs more: on a
-CPU a 64-node tree costs several single-token forwards, so the heads must be good for it to pay off; on a
-GPU bigger trees are nearly free. The *tokens / s* card says how this run compares with plain decoding
-(measured once a plain run exists, e.g. after **Check**, else estimated from the verify-cost profile), and
-a setting that loses says why. The defaults (bf16, auto budget + prompt lookup) are the ones that win on a CPU. The cumulative plot compares this run with the fixed tree (what it would
-have accepted on the same contexts) and with plain decoding (measured when a plain run exists, else
-estimated from one measured single-token forward).
-"""
+HOW_IT_WORKS = (Path(__file__).resolve().parent / "assets" / "how_it_works.md").read_text()  # prose lives in assets
 
 
 def _settings_panel(num_heads: int) -> list[gr.components.Component]:
