@@ -100,3 +100,19 @@ def test_store_and_lookup_specs_parse():
     assert parse_strategy("dynamic:32+store", DecodeConfig()).lookup_tokens == 0
     with pytest.raises(ValueError, match="only \\+lookup and \\+store"):
         parse_strategy("dynamic:auto+magic", DecodeConfig())
+
+
+def test_hydra_specs_parse_and_pick_hydra_heads():
+    from core.bench import HeadSet, parse_strategy
+    from core.decoder import DecodeConfig
+    from tests.tiny import tiny_base, tiny_heads, tiny_hydra
+
+    config = parse_strategy("hydra:auto+lookup", DecodeConfig())
+    assert config.strategy == "hydra" and config.auto_budget and config.lookup_tokens > 0
+    assert parse_strategy("hydra:40", DecodeConfig()).budget == 40
+    base = tiny_base("llama")
+    medusa, hydra = tiny_heads(base), tiny_hydra(base)
+    assert HeadSet(medusa, hydra).for_strategy(config) is hydra
+    assert HeadSet(medusa, hydra).for_strategy(parse_strategy("dynamic:auto", DecodeConfig())) is medusa
+    with pytest.raises(ValueError, match="Hydra heads"):
+        HeadSet(medusa).for_strategy(config)
