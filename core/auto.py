@@ -27,26 +27,41 @@ RATE_STEPS = 24  # steps a measured rate averages
 MIN_RATE_STEPS = 12  # fewer steps than this: no measured rate yet
 OVERHEAD_STEPS = 16
 MAX_BACKOFF = 16
-PROBE_EVERY = 32  # a plain step at least this often (step 1 is the first): the run measures plain speed
+PROBE_EVERY = 32  # a plain step at least this often (steps 1, 3, 5 first): the run measures plain speed
 CORRECTION_STEPS = 16  # measured/predicted ratios a cost correction takes the median of
+
+
+MIN_CORRECTION_SAMPLES = 3  # fewer measurements of a class: trust the profile (one slow step proves little)
+STALE_TREE_STEPS = 2 * PROBE_EVERY  # tree measurements older than this are forgotten
 
 
 @dataclass
 class CostCorrection:
-    """Measured over profiled verify time of recent steps, for one-token forwards and for trees."""
+    """Measured over profiled verify time of recent steps, for one-token forwards and for trees.
+
+    Tree measurements that grew stale (no tree verified for STALE_TREE_STEPS steps, e.g. after
+    a burst of load made trees look dear and the controller stopped building them) are dropped,
+    so the profile gets another chance instead of locking the run into plain steps."""
 
     plain: list[float] = field(default_factory=list)
     tree: list[float] = field(default_factory=list)
+    last_tree_step: int = 0
 
-    def add(self, tokens: int, measured_ms: float, profiled_ms: float) -> None:
+    def add(self, tokens: int, measured_ms: float, profiled_ms: float, step: int = 0) -> None:
+        if tokens > 1:
+            self.last_tree_step = step
         ratios = self.plain if tokens == 1 else self.tree
         ratios.append(measured_ms / max(profiled_ms, 1e-6))
         del ratios[:-CORRECTION_STEPS]
 
+    def forget_stale(self, step: int) -> None:
+        if self.tree and step - self.last_tree_step > STALE_TREE_STEPS:
+            self.tree.clear()
+
     def factor(self, tokens: int) -> float:
-        """The median ratio of the class `tokens` falls in (1.0 before any measurement)."""
+        """The median ratio of the class `tokens` falls in (1.0 before MIN_CORRECTION_SAMPLES)."""
         ratios = self.plain if tokens == 1 else self.tree
-        return statistics.median(ratios) if ratios else 1.0
+        return statistics.median(ratios) if len(ratios) >= MIN_CORRECTION_SAMPLES else 1.0
 
 
 @dataclass(frozen=True)
@@ -83,11 +98,14 @@ class AutoBudget:
         return self.steps >= self.plain_until and not self.probe_plain()
 
     def probe_plain(self) -> bool:
-        """True when this step must be plain (no heads, no chains) to measure plain speed: step 1,
-        then whenever no plain step ran for PROBE_EVERY steps."""
+        """True when this step must be plain (no heads, no chains) to measure plain speed: every
+        other step from step 1 until MIN_CORRECTION_SAMPLES plain steps are measured, then whenever
+        no plain step ran for PROBE_EVERY steps."""
         if self.steps == 0:
             return False
-        return self.last_plain is None or self.steps - self.last_plain >= PROBE_EVERY
+        if len(self.correction.plain) < MIN_CORRECTION_SAMPLES:
+            return self.steps % 2 == 1
+        return self.steps - self.last_plain >= PROBE_EVERY
 
     def expected(self, draft: DraftTree) -> list[float]:
         """Expected acceptance of each node in best-first order: the heads' score corrected per
@@ -113,7 +131,9 @@ class AutoBudget:
         if _used_heads(record):
             self._calibrate(record)
         tokens = record.outcome.tree.num_nodes + 1
-        self.correction.add(tokens, 1000 * record.times.verify, self.profile.cost(tokens, record.context_length))
+        self.correction.add(tokens, 1000 * record.times.verify, self.profile.cost(tokens, record.context_length),
+                            self.steps)
+        self.correction.forget_stale(self.steps)
         if tokens == 1:
             self.last_plain = self.steps
         self.records = (self.records + [record])[-WINDOW:]

@@ -203,16 +203,17 @@ def write_self_prompts(base: BaseModel, config: GenConfig) -> list[dict]:
     return [row for row in done if len(row["prompt"]) >= 15]
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, repair: bool = False) -> list[dict]:
     """The complete rows of a JSONL file that a killed writer may have left mid-line.
 
-    A trailing line without its newline is an interrupted write: it is cut from the file, so
-    the prompt it belonged to is answered again on resume rather than lost or duplicated."""
+    A trailing line without its newline is an interrupted write: readers ignore it; the writer
+    (`repair`, on resume) cuts it from the file, so the prompt it belonged to is answered again
+    rather than lost or duplicated."""
     if not path.exists():
         return []
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
+    if repair and len(complete) != len(data):
         with path.open("r+b") as handle:
             handle.truncate(len(complete))
     return [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
@@ -243,7 +244,7 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     Resumable: prompts already answered there are skipped. A batch's features are written
     before its rows, so every row written has its features; a shard whose rows never made it
     (killed in between) is ignored by `load_captured`, and those prompts are answered again."""
-    done = {row["id"] for row in read_rows(config.out)}
+    done = {row["id"] for row in read_rows(config.out, repair=True)}
     todo = [p for p in prompts if p["id"] not in done]
     todo = [dict(p, ids=base.chat_ids(p["prompt"])) for p in todo]
     todo = [p for p in todo if len(p["ids"]) <= config.max_prompt_tokens]
@@ -271,7 +272,10 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
 
 def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
     """The rows of `out` and, by row id, the features captured while writing them (rows
-    without captured features, e.g. from an older generator, are simply absent there)."""
+    without captured features, e.g. from an older generator, are simply absent there).
+
+    A row's features are in the last shard that holds its id: a shard written by a run killed
+    before its rows were (an orphan) may hold an earlier answer to the same prompt."""
     rows = read_rows(out)
     wanted = {row["id"] for row in rows}
     found: dict[str, AnswerFeatures] = {}
@@ -280,7 +284,7 @@ def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
         shard = torch.load(path, weights_only=True)
         ends = torch.tensor(shard["lengths"]).cumsum(0).tolist()
         for row_id, end, length in zip(shard["ids"], ends, shard["lengths"]):
-            if row_id in wanted and row_id not in found:
+            if row_id in wanted:  # later shards overwrite orphans
                 cut = slice(end - length, end)
                 found[row_id] = AnswerFeatures(shard["hidden"][cut], shard["teacher_ids"][cut],
                                                shard["teacher_probs"][cut])

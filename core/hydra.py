@@ -131,8 +131,8 @@ class GrownTree:
     """A tree a path-aware drafter grew node by node, in best-first order.
 
     `token_table[d-1, c]` is the token of the node at depth d whose path ends in column c;
-    `probs`/`token_ids` are the heads' conditional top-m along the best path (for the heads
-    table: what head d guessed after the best guesses before it)."""
+    `probs`/`token_ids` are the heads' conditional top-m along the greedy path (row d: what
+    head d guessed after the top guesses of the rows above; for the heads table)."""
 
     tree: CandidateTree  # scores: joint probability (product of conditionals along the path)
     token_table: torch.Tensor  # [D, columns] long
@@ -169,7 +169,8 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
     depth = min(depth, heads.config.num_heads)
     device = hidden.device
     grown: list[_Node] = []
-    frontier = [_Node(path=(), tokens=(), score=1.0)]
+    greedy = _Node(path=(), tokens=(), score=1.0)  # the chain of each depth's top guess (heads table)
+    frontier = [greedy]
     greedy_probs, greedy_ids = [], []
     for level in range(1, depth + 1):
         paths = torch.tensor([(root_token,) + node.tokens for node in frontier], device=device)  # [B, level]
@@ -178,16 +179,24 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         children = width if level == 1 else min(width, beam)
         probs, ids = _children(heads, embed, projection, hidden[None].to(next(heads.parameters()).dtype),
                                paths, children)  # [B, children] each
-        greedy_probs.append(probs[0])
-        greedy_ids.append(ids[0])
+        row = frontier.index(greedy)
+        greedy_probs.append(probs[row])
+        greedy_ids.append(ids[row])
         level_nodes = []
         for parent, row_probs, row_ids in zip(frontier, probs.tolist(), ids.tolist()):
+            first_child = len(level_nodes)
             for p, token in zip(row_probs, row_ids):
                 level_nodes.append(_Node(path=parent.path + (len(level_nodes),), tokens=parent.tokens + (token,),
                                          score=parent.score * p))
+            if parent is greedy:
+                next_greedy = level_nodes[first_child]
+        greedy = next_greedy
         grown += level_nodes
-        # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed
+        # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed; the
+        # greedy chain is always expanded, so the heads table shows one path's conditionals
         frontier = sorted(level_nodes, key=lambda n: -n.score)[: min(beam, budget)]
+        if greedy not in frontier:
+            frontier.append(greedy)
     shown = min(len(row) for row in greedy_ids)  # the root has more children than deeper nodes
     return _best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
                        torch.stack([r[:shown] for r in greedy_ids]))

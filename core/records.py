@@ -77,11 +77,12 @@ class TreeOutcome:
         trees this is the head's rank; for a grown tree it is computed from the scores."""
         if not self.grown:
             return [0] + [path[-1] for path in self.tree.paths]
-        parents, scores = self.tree.parents, self.node_scores
+        parents, scores, copied = self.tree.parents, self.node_scores, self.lookup_nodes
         ranks = [0] * (self.tree.num_nodes + 1)
         by_parent: dict[int, list[int]] = {}
         for node in range(1, self.tree.num_nodes + 1):
-            by_parent.setdefault(parents[node], []).append(node)
+            if node not in copied:  # chain nodes are not the heads' guesses: not ranked among them
+                by_parent.setdefault(parents[node], []).append(node)
         for children in by_parent.values():
             for rank, node in enumerate(sorted(children, key=lambda n: -scores[n])):
                 ranks[node] = rank

@@ -19,6 +19,7 @@ steps under `data/checkpoints/` and picked up by a rerun with the same settings.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -87,6 +88,13 @@ def _answer_features(answer_ids: list[int], hidden: torch.Tensor, teacher_ids: t
                     teacher_probs=teacher_probs.half())
 
 
+def features_fingerprint(features: Features) -> str:
+    """A short hash of what every position must predict (a changed dataset changes it)."""
+    digest = hashlib.sha1(features.tokens.numpy().tobytes())
+    digest.update(features.remaining.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def concat_features(parts: list[Features]) -> Features:
     """One Features of many answers, in order (an answer's positions stay contiguous)."""
     return Features(**{name: torch.cat([getattr(p, name) for p in parts]) for name in Features.__dataclass_fields__})
@@ -138,6 +146,9 @@ def load_training_features(base: BaseModel, paths: list[Path], extract_missing: 
         rows, found = load_captured(path)
         rows = [r for r in rows if len(r["answer_ids"]) >= 2]
         missing = [r for r in rows if r["id"] not in found]
+        # features must cover their answer position for position; anything else is left out
+        lengths = {row["id"]: len(row["answer_ids"]) for row in rows}
+        found = {i: f for i, f in found.items() if len(f.hidden) == lengths.get(i, -1)}
         for row in rows:
             if row["id"] in found:
                 f = found[row["id"]]
@@ -211,6 +222,8 @@ def head_loss(heads: MedusaHeads, vocab: TrainVocab, features: Features, index: 
     accuracy = []
     for k in range(states.shape[0]):
         valid = features.remaining[index] > k  # target j+k+1 exists  [B]
+        if not bool(valid.any()):
+            continue  # a batch of answer ends: nothing for this head (a mean over nothing is NaN)
         loss, hits = draft_loss(states[k][valid], vocab, features, index[valid] + k + 1)
         total = total + decay ** k * loss
         accuracy.append(float(hits.float().mean()))
@@ -228,7 +241,8 @@ def frequency_vocab(answer_tokens: torch.Tensor, size: int, vocab_size: int) -> 
 
 
 def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[float]]],
-        positions: int, config: TrainConfig, checkpoint: Path | None = None) -> torch.nn.Module:
+        positions: int, config: TrainConfig, checkpoint: Path | None = None, data_fingerprint: str = ""
+        ) -> torch.nn.Module:
     """AdamW with warm-up and cosine decay over shuffled positions; a progress bar shows loss and
     per-head top-1. With `checkpoint`, progress is saved every CHECKPOINT_EVERY steps and a run
     with the same settings resumes from it."""
@@ -241,9 +255,13 @@ def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torc
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     order = torch.randperm(positions, generator=torch.Generator().manual_seed(config.seed))[:used]
     first = 0
+    # a checkpoint resumes only the same run: same settings, same data (positions and a
+    # fingerprint of what each position must predict), same draft vocabulary
+    fingerprint = {"positions": positions, "data": data_fingerprint,
+                   "buffers": [b.sum().item() for b in module.buffers()]}
     if checkpoint is not None and checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False)
-        if saved["config"] == asdict(config):
+        if saved["config"] == asdict(config) and saved.get("fingerprint") == fingerprint:
             module.load_state_dict(saved["module"])
             optimizer.load_state_dict(saved["optimizer"])
             schedule.load_state_dict(saved["schedule"])
@@ -260,7 +278,8 @@ def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torc
         if checkpoint is not None and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == steps):
             checkpoint.parent.mkdir(parents=True, exist_ok=True)
             partial = checkpoint.with_suffix(".partial")
-            torch.save({"config": asdict(config), "step": step + 1, "module": module.state_dict(),
+            torch.save({"config": asdict(config), "fingerprint": fingerprint, "step": step + 1,
+                        "module": module.state_dict(),
                         "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, partial)
             partial.replace(checkpoint)
     return module
@@ -279,7 +298,7 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig,
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
     fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay),
-        features.hidden.shape[0], config, checkpoint)
+        features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 
 

@@ -24,7 +24,8 @@ from core.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
 from core.model import BaseModel, fast_bf16
 from core.simulate import TreeSpec, simulate
 from core.tree import CandidateTree
-from core.train import (Features, TrainConfig, draft_coverage, draft_loss, fit, frequency_vocab, parse_config,
+from core.train import (Features, TrainConfig, draft_coverage, draft_loss, features_fingerprint, fit, frequency_vocab,
+                        parse_config,
                         run_training, TrainVocab, train_vocab)
 
 BUDGETS = (16, 32, 64)
@@ -40,6 +41,8 @@ def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor,
     accuracy = []
     for k in range(1, heads.config.num_heads + 1):
         valid = features.remaining[index] >= k  # answer[j+k] exists  [B]
+        if not bool(valid.any()):
+            continue  # a batch of answer ends: nothing for this head
         rows = index[valid]  # [b]
         path = features.tokens[rows[:, None] + torch.arange(k)]  # [b, k]: answer[j..j+k-1]
         states = heads.head_state(k, hidden[valid], embed_weight[path])  # [b, H]
@@ -59,10 +62,10 @@ def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
                                    hidden_size=base.model.config.hidden_size, vocab_size=vocab_size,
                                    draft_vocab_size=draft_size))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
-    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab, bf16=fast_bf16())
+    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
     fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay),
-        features.hidden.shape[0], config, checkpoint)
+        features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 
 

@@ -136,3 +136,17 @@ def test_an_exact_profile_with_good_heads_keeps_the_trees():
     exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 22.0, 46.8])
     tokens, times = _simulate_controller(exact, real, accept_chance=0.8)
     assert sum(tokens[20:]) / sum(times[20:]) >= 1.5 / 20.0
+
+
+def test_one_slow_tree_step_does_not_lock_the_run_into_plain_steps():
+    """Trees measured during a burst of load look dear; once no tree ran for a while, those
+    measurements are forgotten and the profile gets another chance."""
+    from core.auto import MIN_CORRECTION_SAMPLES, STALE_TREE_STEPS, CostCorrection
+    correction = CostCorrection()
+    correction.add(1, 20.0, 20.0, step=0)
+    assert correction.factor(5) == 1.0  # no tree measured: the profile
+    for step in range(1, 1 + MIN_CORRECTION_SAMPLES):
+        correction.add(5, 90.0, 30.0, step=step)  # a burst: trees at 3x the profile
+    assert correction.factor(5) == 3.0
+    correction.forget_stale(MIN_CORRECTION_SAMPLES + STALE_TREE_STEPS + 1)
+    assert correction.factor(5) == 1.0

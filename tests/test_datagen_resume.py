@@ -95,3 +95,31 @@ def test_training_features_line_up_with_answers(base, tmp_path):
     # remaining counts down to 0 at each answer's last token
     ends = [i for i, left in enumerate(features.remaining.tolist()) if left == 0]
     assert len(ends) == len(rows)
+
+
+def test_the_last_shard_holding_a_row_wins(tmp_path):
+    """An orphan shard (its run died before writing the rows) may hold another answer to the same
+    prompt; the shard written just before the row is the one that matches it."""
+    from core.datagen import AnswerFeatures, _save_shard
+
+    def features(length: int, value: float) -> AnswerFeatures:
+        return AnswerFeatures(hidden=torch.full((length, 4), value).bfloat16(),
+                              teacher_ids=torch.zeros(length, 2, dtype=torch.int32),
+                              teacher_probs=torch.ones(length, 2).half())
+
+    out = tmp_path / "gen.jsonl"
+    row = {"id": "p0", "answer_ids": [5, 6, 7]}
+    _save_shard(datagen.features_dir(out), [{"id": "p0"}], [features(5, 1.0)])  # the orphan
+    _save_shard(datagen.features_dir(out), [row], [features(3, 2.0)])
+    out.write_text(json.dumps(row) + "\n")
+    _, found = load_captured(out)
+    assert len(found["p0"].hidden) == 3 and float(found["p0"].hidden[0, 0]) == 2.0
+
+
+def test_a_reader_never_cuts_the_file(tmp_path):
+    out = tmp_path / "gen.jsonl"
+    out.write_text('{"id": "a", "answer_ids": [1]}\n{"id": "b", "ans')
+    assert [r["id"] for r in datagen.read_rows(out)] == ["a"]
+    assert out.read_text().endswith('"ans')  # a writer may still be appending
+    datagen.read_rows(out, repair=True)
+    assert out.read_text().endswith("\n")

@@ -49,6 +49,9 @@ def _source(record: StepRecord, node: int, copied: bool) -> tuple[str, int]:
     if copied:
         drafter = CHAIN_NAMES.get(outcome.node_source(node), outcome.node_source(node))
         return f"{drafter}, depth {len(path)}", len(path)
+    if outcome.grown:
+        return (f"Hydra head {len(path)}, child {outcome.sibling_ranks()[node]} "
+                f"(joint p {outcome.node_scores[node]:.3g})", len(path))
     return f"head {len(path)} rank {path[-1]} (joint p {outcome.node_scores[node]:.3g})", len(path)
 
 
