@@ -661,27 +661,40 @@ def _num_heads() -> int:
     return DEFAULTS.depth
 
 
+CURRENT_ROUND = "round7"  # the benchmark files of this round (scripts/bench_round.sh) open the tab
+
+
 def _benchmark_tab() -> None:
-    """The committed `python -m core.bench` results (assets/results/bench_*.json), MT-Bench first."""
+    """The committed `python -m core.bench` results: this round's summary on one screen (a plot and
+    one table per prompt set), every table and earlier round folded below."""
     files = sorted(RESULTS.glob("bench_*.json"), key=lambda path: result_order(path.stem))
     if not files:
         gr.Markdown("No benchmark results are shipped yet: run `python -m core.bench ... --out assets/results/bench_NAME.json`.")
         return
-    for path in files:
+    current = [path for path in files if CURRENT_ROUND in path.stem]
+    earlier = [path for path in files if path not in current]
+    for path in current:
         result = json.loads(path.read_text())
-        config = result["config"]
-        count = config.get("prompt_count") or config.get("limit") or "all"
-        device = result["device"].get("cuda") or result["device"]["type"]
-        cut = (f" (cut off by its time limit after {count} of {config.get('prompts_planned')} prompts)"
-               if result.get("complete") is False else "")
-        gr.Markdown(f"#### {path.stem}: {count} prompts from `{Path(config['prompts']).name}`{cut}, "
-                    f"{config['max_new_tokens']} new tokens, {config['dtype']}, {device}\n\n"
-                    + markdown_table(result), elem_classes=["bench-table"])
+        gr.Markdown(_bench_heading(path, result) + "\n\n" + markdown_table(result), elem_classes=["bench-table"])
+        gr.Plot(bench_figure(result, path.stem), show_label=False)
         per_category = category_table(result)
         if per_category:
-            gr.Markdown("Per category, speed-up over plain decoding (worst prompt):\n\n" + per_category,
-                        elem_classes=["bench-table"])
-        gr.Plot(bench_figure(result, path.stem), show_label=False)
+            with gr.Accordion("Per category (worst prompt in brackets)", open=False):
+                gr.Markdown(per_category, elem_classes=["bench-table"])
+    with gr.Accordion(f"Earlier rounds ({len(earlier)} result files; other heads, other CPUs)", open=False):
+        for path in earlier:
+            result = json.loads(path.read_text())
+            gr.Markdown(_bench_heading(path, result) + "\n\n" + markdown_table(result), elem_classes=["bench-table"])
+
+
+def _bench_heading(path: Path, result: dict) -> str:
+    config = result["config"]
+    count = config.get("prompt_count") or config.get("limit") or "all"
+    device = result["device"].get("cuda") or result["device"].get("cpu") or result["device"]["type"]
+    cut = (f" (cut off by its time limit after {count} of {config.get('prompts_planned')} prompts)"
+           if result.get("complete") is False else "")
+    return (f"#### {path.stem}: {count} prompts from `{Path(config['prompts']).name}`{cut}, "
+            f"{config['max_new_tokens']} new tokens, {config['dtype']}, {device}")
 
 
 def _view_panel() -> dict[str, gr.components.Component]:

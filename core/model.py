@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,6 +220,15 @@ def _check_full_attention(config: PretrainedConfig) -> None:
     if cache_layers - {DynamicLayer.__name__}:
         raise ValueError(f"cache layers {sorted(cache_layers)} are not supported: the KV commit edits plain "
                          "DynamicLayer keys and values")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (figures are only comparable on one machine)."""
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def fast_bf16() -> bool:

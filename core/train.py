@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from core.datagen import TEACHER_TOP, generate_batch, load_captured
 from core.heads import HeadsConfig, MedusaHeads
-from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, cpu_name, fast_bf16, load_base_model
 from core.simulate import head_proposals
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
@@ -429,14 +429,6 @@ def main() -> None:
     config = parse_config(__doc__, TrainConfig())
     report = run_training(config, train_heads, medusa_report)
     write_calibrated_tree(report["held_out"]["mt_bench"]["topk_accuracy"])
-
-
-def cpu_name() -> str:
-    """The CPU's model name (figures are only comparable on one machine)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def medusa_report(base: BaseModel, heads: MedusaHeads, sets: dict[str, list[dict]]) -> dict:

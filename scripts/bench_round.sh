@@ -15,9 +15,9 @@ DEFAULT=$($PY -c "from core.model import default_precision; print(default_precis
 DTYPES=$DEFAULT; [ "$DEFAULT" != fp32 ] && DTYPES="$DEFAULT fp32"
 for DTYPE in $DTYPES; do
   $PY -m core.bench --prompts assets/data/mt_bench.jsonl --stride 4 --max-new-tokens 128 --dtype $DTYPE \
-      --strategies $MAIN,hf:greedy --out $OUT/${ROUND}_mtbench_$DTYPE.json
+      --strategies $MAIN,hf:greedy --out $OUT/bench_${ROUND}_mtbench_$DTYPE.json
   $PY -m core.bench --prompts assets/data/spec_mix.jsonl --stride 3 --max-new-tokens 128 --dtype $DTYPE \
-      --strategies $MAIN --out $OUT/${ROUND}_specmix_$DTYPE.json
+      --strategies $MAIN --out $OUT/bench_${ROUND}_specmix_$DTYPE.json
   $PY -m core.bench --prompts assets/data/adversarial.jsonl --stride 2 --max-new-tokens 64 --dtype $DTYPE \
-      --strategies ar,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup --out $OUT/${ROUND}_collapse_$DTYPE.json
+      --strategies ar,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup --out $OUT/bench_${ROUND}_collapse_$DTYPE.json
 done
