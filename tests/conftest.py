@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.heads import HeadsConfig, MedusaHeads, default_heads
+from core.hydra import default_hydra_heads
 from core.model import ModelConfig, load_base_model
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -36,6 +37,13 @@ def shipped_heads(base_fp32):
 
 
 @pytest.fixture(scope="session")
+def shipped_hydra():
+    heads = default_hydra_heads()
+    assert heads is not None, "assets/hydra is missing"
+    return heads
+
+
+@pytest.fixture(scope="session")
 def random_heads(base_fp32) -> MedusaHeads:
     """Heads with random (non-zero) weights: they propose varied, mostly wrong tokens."""
     torch.manual_seed(0)
@@ -49,7 +57,8 @@ def random_heads(base_fp32) -> MedusaHeads:
 # The quick subset (`pytest -m "not slow"`): logic on tiny in-process models, trees, lookup, the
 # datastore, viz. Everything that loads the shipped model, serves the app or drives the browser,
 # and the 20,000-draw sampling statistics, is `slow`.
-SLOW_FIXTURES = {"base_fp32", "base_bf16", "shipped_heads", "random_heads", "plain_fp32", "mt_bench_prompts"}
+SLOW_FIXTURES = {"base_fp32", "base_bf16", "shipped_heads", "shipped_hydra", "random_heads", "plain_fp32",
+                 "mt_bench_prompts"}
 SLOW_MODULES = {"test_app", "test_browser", "test_robustness", "test_datagen", "test_train", "test_kernels",
                 "test_simulate", "test_sampling"}
 

@@ -54,6 +54,19 @@ def test_greedy_fp32_with_every_drafter_equals_plain_generate(base_fp32, shipped
     assert "store" in sources  # the datastore's branches were accepted somewhere
 
 
+@pytest.mark.parametrize("spec", [dict(budget=63), dict(auto_budget=True, lookup_tokens=10)], ids=["64", "auto+lookup"])
+def test_hydra_greedy_fp32_equals_plain_generate(base_fp32, shipped_hydra, plain_fp32, spec):
+    """The shipped Hydra heads' grown trees (and the auto-sized one with a lookup chain): same text,
+    and the heads are right often enough that paths deeper than one token are accepted."""
+    deepest = 0
+    for prompt_ids, plain in plain_fp32:
+        session = decode(base_fp32, shipped_hydra, prompt_ids, DecodeConfig(strategy="hydra", max_new_tokens=NEW_TOKENS,
+                                                                           **spec))
+        assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
+        deepest = max([deepest] + [r.outcome.accepted_length for r in session.records if r.strategy == "hydra"])
+    assert deepest >= 4
+
+
 def test_greedy_fp32_random_heads_small_budget(base_fp32, random_heads, plain_fp32):
     """Wrong guesses everywhere, a small dynamic tree and top-m 4: still the same text."""
     prompt_ids, plain = plain_fp32[0]
