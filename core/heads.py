@@ -51,6 +51,14 @@ class DraftProjection:
     token_ids: torch.Tensor | None  # [V'] vocabulary id of each row, or None for the identity
 
 
+def draft_rows(lm_head: nn.Module, draft_vocab: torch.Tensor) -> DraftProjection:
+    """The lm_head rows of `draft_vocab` [V'] (empty: the whole vocabulary), for any shared-lm_head heads."""
+    if len(draft_vocab) == 0:
+        return DraftProjection(weight=lm_head.weight, token_ids=None)
+    ids = draft_vocab.to(lm_head.weight.device)
+    return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids)  # [V', H]
+
+
 class ResBlock(nn.Module):
     """x + SiLU(Linear(x)). Zero-initialised (SiLU(0) = 0): a fresh head starts as the identity."""
 
@@ -85,10 +93,7 @@ class MedusaHeads(nn.Module):
         """The (sliced) lm_head weight the heads project onto; build once per session, not per step."""
         if self.config.own_lm_head:
             raise ValueError("heads with their own projection have no draft vocabulary")
-        if self.config.draft_vocab_size == 0:
-            return DraftProjection(weight=lm_head.weight, token_ids=None)
-        ids = self.draft_vocab.to(lm_head.weight.device)
-        return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids)  # [V', H]
+        return draft_rows(lm_head, self.draft_vocab)
 
     def propose(self, hidden: torch.Tensor, width: int, projection: DraftProjection | None = None,
                 depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

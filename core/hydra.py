@@ -34,7 +34,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from core.heads import DraftProjection, ResBlock
+from core.heads import DraftProjection, ResBlock, draft_rows
 from core.model import REPO_ROOT, linear_rows
 from core.tree import CandidateTree, RankPath
 
@@ -82,10 +82,7 @@ class HydraHeads(nn.Module):
 
     def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
         """The lm_head rows the heads rank (build once per session, not per step)."""
-        if self.config.draft_vocab_size == 0:
-            return DraftProjection(weight=lm_head.weight, token_ids=None)
-        ids = self.draft_vocab.to(lm_head.weight.device)
-        return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids)  # [V', H]
+        return draft_rows(lm_head, self.draft_vocab)
 
     def head_state(self, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
         """Head `depth` (1-based) on hidden [..., H] and the path's embeddings [..., depth, H]."""

@@ -71,6 +71,17 @@ def test_shipped_calibrated_tree():
     check_invariants(tree)
 
 
+def _held_out_rows(base, prompts: list[str]) -> list[dict]:
+    """Plain greedy answers (48 tokens) to four MT-Bench prompts: the shipped-heads guards' text."""
+    rows = []
+    for prompt in prompts[40:44]:
+        ids = base.chat_ids(prompt)
+        with torch.inference_mode():
+            out = base.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
+        rows.append({"prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
+    return rows
+
+
 def test_shipped_heads_load_by_default_and_predict(base_fp32, mt_bench_prompts):
     """Guard against shipping broken or mismatched weights (random heads score ~0)."""
     from core.heads import DEFAULT_HEADS_DIR, default_heads
@@ -78,12 +89,7 @@ def test_shipped_heads_load_by_default_and_predict(base_fp32, mt_bench_prompts):
     assert (DEFAULT_HEADS_DIR / "heads.safetensors").exists(), "assets/heads is not shipped"
     heads, description = default_heads(base_fp32.model.config.hidden_size, base_fp32.model.config.vocab_size)
     assert description.startswith("trained")
-    rows = []
-    for prompt in mt_bench_prompts[40:44]:
-        ids = base_fp32.chat_ids(prompt)
-        with torch.inference_mode():
-            out = base_fp32.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
-        rows.append({"prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
+    rows = _held_out_rows(base_fp32, mt_bench_prompts)
     accuracy = head_accuracy(base_fp32, heads, rows)
     assert accuracy[0][0] > 0.15, accuracy
 
@@ -130,12 +136,7 @@ def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts)
     from core.train_hydra import hydra_accuracy
     heads = default_hydra_heads()
     assert heads is not None, "assets/hydra is not shipped"
-    rows = []
-    for prompt in mt_bench_prompts[40:44]:
-        ids = base_fp32.chat_ids(prompt)
-        with torch.inference_mode():
-            out = base_fp32.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
-        rows.append({"prompt_ids": ids, "answer_ids": out[0, len(ids):].tolist()})
+    rows = _held_out_rows(base_fp32, mt_bench_prompts)
     accuracy, own = hydra_accuracy(base_fp32, heads, rows)
     top1 = [a[0] for a in accuracy]
     assert top1[0] > 0.2 and min(top1[1:]) > 0.13, top1
