@@ -53,6 +53,7 @@ import gradio as gr
 import labstate
 from core.accept import RULES
 from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
+from core.model import precision_choice
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, StepRecord
 from core.tree import load_named_trees
 from labstate import LabInputError, LabNotice, LabState, Run, Settings
@@ -601,8 +602,8 @@ def on_load() -> str:
     """The model/heads line in the header (loads the default precision's model once, if main() did not)."""
     rt = labstate.runtime(DEFAULTS.precision)
     return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · "
-            f"bf16 (the default) is about twice as fast on a CPU and exact up to rounding near-ties; "
-            f"fp32 is exact.")
+            f"**Forward:** {rt.base.engine_name} · **Default precision:** {precision_choice().describe()}; "
+            f"fp32 is exact, bf16 exact up to rounding near-ties.")
 
 
 def _clear_trace() -> None:
@@ -643,7 +644,7 @@ def _settings_panel(num_heads: int) -> list[gr.components.Component]:
             "rule": gr.Radio(list(RULES), value=defaults["rule"], label="Acceptance rule", elem_id="rule"),
             "temperature": gr.Slider(0.0, labstate.MAX_TEMPERATURE, value=defaults["temperature"], step=0.05,
                                      label="Temperature (0 = greedy)", elem_id="temperature"),
-            "precision": gr.Radio([("bf16 (fast on GPUs and AVX512-BF16 CPUs)", "bf16"), ("fp32 (exact)", "fp32")], value=defaults["precision"],
+            "precision": gr.Radio([("bf16 (fast on GPUs and CPUs with bf16 instructions)", "bf16"), ("fp32 (exact)", "fp32")], value=defaults["precision"],
                                   label="Precision", elem_id="precision"),
             "max_new_tokens": gr.Slider(1, MAX_NEW_TOKENS, value=defaults["max_new_tokens"], step=1,
                                         label="Max new tokens", elem_id="max-new"),

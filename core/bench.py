@@ -33,7 +33,7 @@ from core.hydra import HydraHeads, default_hydra_heads, load_hydra_heads
 from core.datastore import STORE_TOKENS
 from core.lookup import CHAIN_TOKENS
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA
-from core.model import BaseModel, ModelConfig, cpu_name, fast_bf16, load_base_model
+from core.model import BaseModel, ModelConfig, cpu_name, fast_bf16, load_base_model, precision_choice
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree
 
@@ -309,6 +309,7 @@ def main() -> None:
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
         "hydra": None if hydra is None else str(args.hydra or "assets/hydra"),
         "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": cpu_name(), "fast_bf16": fast_bf16(),
+                   "default_precision": precision_choice().describe(), "engine": base.engine_name,
                    "cuda": torch.cuda.get_device_name() if base.device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},

@@ -21,12 +21,12 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, load_base_model
 from core.sampling import SamplingConfig, sampling_probs
@@ -69,7 +69,8 @@ class GenConfig:
     sharegpt: int = 0
     max_new_tokens: int = 256
     max_prompt_tokens: int = 384
-    batch_size: int = 32
+    batch_size: int = 32  # answers per written shard
+    slots: int = 64  # rows decoded together (continuous batching)
     dtype: str = "fp32"
     seed: int = 0
 
@@ -98,16 +99,6 @@ def mt_bench_questions() -> list[str]:
     return [turn for row in rows for turn in row["turns"]]
 
 
-def _pad_left(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [b, width]
-    attention = torch.zeros((len(batch), width), dtype=torch.long)  # [b, width]
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
-    return input_ids, attention
-
-
 @dataclass(frozen=True)
 class AnswerFeatures:
     """What the base model computed anyway while writing one answer: its training features."""
@@ -118,62 +109,135 @@ class AnswerFeatures:
 
 
 def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
-    """Answers (token ids, up to and including EOS) to `prompts`, batched with left padding."""
+    """Answers (token ids, up to and including EOS) to `prompts`, in order."""
     sampling = SamplingConfig(temperature=0.9, top_p=0.95) if sample else SamplingConfig()
-    return _decode_batch(base, prompts, max_new_tokens, sampling, keep_features=False)[0]
+    items = [(index, base.chat_ids(prompt)) for index, prompt in enumerate(prompts)]
+    answers: dict[int, list[int]] = {}
+    for done in ContinuousBatcher(base, max_new_tokens, sampling=sampling, keep_features=False).run(items):
+        answers[done.key] = done.answer
+    return [answers[index] for index in range(len(prompts))]
 
 
 def generate_with_features(base: BaseModel, prompts: list[str],
                            max_new_tokens: int) -> tuple[list[list[int]], list[AnswerFeatures]]:
     """Greedy answers to `prompts` and, per answer, the hidden states and teacher top-k the
     model computed while writing it (training needs no second forward over the answers)."""
-    answers, features = _decode_batch(base, prompts, max_new_tokens, SamplingConfig(), keep_features=True)
-    return answers, features
+    items = [(index, base.chat_ids(prompt)) for index, prompt in enumerate(prompts)]
+    finished = {done.key: done for done in ContinuousBatcher(base, max_new_tokens).run(items)}
+    ordered = [finished[index] for index in range(len(prompts))]
+    return [done.answer for done in ordered], [done.features for done in ordered]
 
 
-@torch.inference_mode()
-def _decode_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sampling: SamplingConfig,
-                  keep_features: bool) -> tuple[list[list[int]], list[AnswerFeatures]]:
-    """Own loop rather than `generate`: rows that reached EOS leave the batch (and the KV cache)
-    at once, so a batch costs what its answers need, not what its longest answer needs."""
-    pad_id = base.tokenizer.pad_token_id
-    pad_id = pad_id if pad_id is not None else min(base.eos_token_ids, default=0)
-    input_ids, attention = _pad_left([base.chat_ids(p) for p in prompts], pad_id)
-    input_ids, attention = input_ids.to(base.device), attention.to(base.device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [b, width]
-    cache = DynamicCache()
-    live = list(range(len(prompts)))  # batch row -> prompt index
-    answers: list[list[int]] = [[] for _ in prompts]
-    captured: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in prompts]
-    eos = torch.tensor(sorted(base.eos_token_ids), device=base.device)
-    for _ in range(max_new_tokens):
-        hidden = base.model.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                                  past_key_values=cache, use_cache=True).last_hidden_state[:, -1]  # [b, H]
-        logits = base.lm_head(hidden)  # [b, V]
-        if sampling.greedy:
+@dataclass
+class Finished:
+    """One answered prompt: its key, the answer's ids and (if kept) the features captured."""
+
+    key: object
+    answer: list[int]
+    features: AnswerFeatures | None
+
+
+class _Slot:
+    """What one batch row is writing: the prompt's key, the answer so far, the captured rows."""
+
+    def __init__(self, key: object) -> None:
+        self.key = key
+        self.answer: list[int] = []
+        self.captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+class ContinuousBatcher:
+    """Batched generation on the lean forward with continuous batching.
+
+    `slots` rows decode together, one token per row per step, each in its own region of a
+    preallocated `SlotCache` at its own length; a row that reaches EOS or the token limit is
+    handed back at once and its slot refilled with the next prompt (prefilled alone into that
+    slot), so the batch stays full until the queue runs dry. Greedy by default; features (the
+    hidden state and the teacher's top-32 behind every answer token) are kept on request.
+    """
+
+    def __init__(self, base: BaseModel, max_new_tokens: int, *, slots: int = 64, max_prompt_tokens: int = 384,
+                 sampling: SamplingConfig = SamplingConfig(), keep_features: bool = True) -> None:
+        if base.engine is None:
+            raise ValueError("batched generation runs on the lean forward (core.engine), which this model lacks")
+        self.base, self.engine = base, base.engine
+        self.max_new_tokens = max_new_tokens
+        self.slot_count = slots
+        self.capacity = max_prompt_tokens + max_new_tokens + 1
+        self.sampling = sampling
+        self.keep_features = keep_features
+        self.eos = base.eos_token_ids
+        self.generator = torch.Generator().manual_seed(0)
+
+    @torch.inference_mode()
+    def run(self, items: list[tuple[object, list[int]]]) -> Iterator[Finished]:
+        """Answer every (key, prompt ids) in `items`, yielding each as soon as it is finished."""
+        queue = list(reversed(items))
+        count = min(self.slot_count, len(items))
+        if count == 0:
+            return
+        cache = self.engine.new_slots(count, self.capacity)
+        slots: list[_Slot | None] = [None] * count
+        last = torch.zeros(count, dtype=torch.long)  # [B] each slot's newest token
+        while True:
+            for index in range(count):
+                while slots[index] is None and queue:
+                    key, ids = queue.pop()
+                    done = self._prefill(cache, index, key, ids, slots, last)
+                    if done is not None:
+                        yield done
+            live = [i for i, slot in enumerate(slots) if slot is not None]
+            if not live:
+                return
+            hidden = self.engine.forward_slots(last, cache)  # [B, H]
+            chosen = self._choose(hidden[live], [slots[i] for i in live])  # [live]
+            for index, token in zip(live, chosen.tolist()):
+                last[index] = token
+                done = self._append(slots, index, token)
+                if done is not None:
+                    cache.lengths[index] = 0
+                    yield done
+            for index in range(count):  # an idle row still runs (at the tail): keep it in bounds
+                if slots[index] is None:
+                    cache.lengths[index] = 0
+
+    def _prefill(self, cache, index: int, key: object, ids: list[int], slots: list, last: torch.Tensor) -> Finished | None:
+        if len(ids) + self.max_new_tokens + 1 > self.capacity:
+            raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_prompt_tokens")
+        cache.lengths[index] = 0
+        view = cache.slot(index)
+        hidden = self.engine.forward(torch.tensor(ids), torch.arange(len(ids)), view)[-1:]  # [1, H]
+        slot = _Slot(key)
+        slots[index] = slot
+        token = int(self._choose(hidden, [slot])[0])
+        last[index] = token
+        return self._append(slots, index, token)
+
+    def _choose(self, hidden: torch.Tensor, owners: list[_Slot]) -> torch.Tensor:
+        """The next token of each row of hidden [b, H]; records the features when asked."""
+        logits = self.engine.project(hidden).float()  # [b, V]
+        if self.sampling.greedy:
             chosen = logits.argmax(-1)  # [b]
         else:
-            chosen = torch.multinomial(sampling_probs(logits, sampling), 1).squeeze(-1)  # [b]
-        if keep_features:
-            top = torch.topk(torch.softmax(logits.float(), dim=-1), TEACHER_TOP, dim=-1)  # [b, top]
-            rows = (hidden.to(torch.bfloat16).cpu(), top.indices.int().cpu(), top.values.half().cpu())
-            for slot, row in enumerate(live):
-                captured[row].append(tuple(t[slot] for t in rows))
-        for row, token in zip(live, chosen.tolist()):
-            answers[row].append(token)
-        keep = ~torch.isin(chosen, eos)  # [b]
-        if not bool(keep.any()):
-            break
-        if not bool(keep.all()):
-            kept = keep.nonzero().squeeze(-1)  # [b']
-            cache.batch_select_indices(kept)
-            live = [live[i] for i in kept.tolist()]
-            chosen, attention, positions = chosen[kept], attention[kept], positions[kept]
-        input_ids = chosen[:, None]  # [b', 1]
-        attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=-1)  # [b', width + t]
-        positions = positions[:, -1:] + 1  # [b', 1]
-    features = [AnswerFeatures(*(torch.stack(parts) for parts in zip(*steps))) for steps in captured] if keep_features else []
-    return answers, features
+            chosen = torch.multinomial(sampling_probs(logits, self.sampling), 1, generator=self.generator).squeeze(-1)
+        if self.keep_features:
+            top = torch.topk(logits, TEACHER_TOP, dim=-1)  # [b, top] the softmax's top = the logits' top
+            probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # [b, top]
+            rows = (hidden.to(torch.bfloat16).cpu(), top.indices.int().cpu(), probs.half().cpu())
+            for position, owner in enumerate(owners):
+                owner.captured.append(tuple(t[position] for t in rows))
+        return chosen
+
+    def _append(self, slots: list, index: int, token: int) -> Finished | None:
+        slot = slots[index]
+        slot.answer.append(token)
+        if token not in self.eos and len(slot.answer) < self.max_new_tokens:
+            return None
+        slots[index] = None
+        features = None
+        if self.keep_features:
+            features = AnswerFeatures(*(torch.stack(parts) for parts in zip(*slot.captured)))
+        return Finished(key=slot.key, answer=slot.answer, features=features)
 
 
 def write_self_prompts(base: BaseModel, config: GenConfig) -> list[dict]:
@@ -248,26 +312,38 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     todo = [p for p in prompts if p["id"] not in done]
     todo = [dict(p, ids=base.chat_ids(p["prompt"])) for p in todo]
     todo = [p for p in todo if len(p["ids"]) <= config.max_prompt_tokens]
-    # shuffled, then sorted by length within windows: little padding per batch, and a run
-    # stopped early still covers every source evenly
+    # shuffled, then sorted by length within windows: rows decoded together have similar lengths
+    # (attention reads up to a group's longest row), and a run stopped early covers every source evenly
     random.Random(config.seed).shuffle(todo)
-    window = config.batch_size * 8
+    window = config.slots * 8
     todo = [p for start in range(0, len(todo), window)
             for p in sorted(todo[start:start + window], key=lambda p: len(p["ids"]))]
     tokens = 0
     start_time = time.time()
+    by_id = {p["id"]: p for p in todo}
+    batcher = ContinuousBatcher(base, config.max_new_tokens, slots=config.slots,
+                                max_prompt_tokens=config.max_prompt_tokens)
+    pending: list[Finished] = []
     with config.out.open("a") as sink, tqdm(total=len(todo), desc="answering") as bar:
-        for start in range(0, len(todo), config.batch_size):
-            chunk = todo[start:start + config.batch_size]
-            answers, features = generate_with_features(base, [p["prompt"] for p in chunk], config.max_new_tokens)
-            rows = [{"id": item["id"], "source": item["source"], "prompt": item["prompt"],
-                     "prompt_ids": item["ids"], "answer_ids": answer} for item, answer in zip(chunk, answers)]
-            _save_shard(features_dir(config.out), rows, features)
-            sink.write("".join(json.dumps(row) + "\n" for row in rows))
-            sink.flush()
-            tokens += sum(len(answer) for answer in answers)
-            bar.update(len(chunk))
+        for done in batcher.run([(p["id"], p["ids"]) for p in todo]):
+            pending.append(done)
+            tokens += len(done.answer)
+            bar.update(1)
             bar.set_postfix(tokens=tokens, tok_s=f"{tokens / (time.time() - start_time):.0f}")
+            if len(pending) >= config.batch_size:
+                _write_answers(sink, config, [by_id[d.key] for d in pending], pending)
+                pending = []
+        if pending:
+            _write_answers(sink, config, [by_id[d.key] for d in pending], pending)
+
+
+def _write_answers(sink, config: GenConfig, items: list[dict], finished: list[Finished]) -> None:
+    """One shard of features, then its rows (so every row written has its features)."""
+    rows = [{"id": item["id"], "source": item["source"], "prompt": item["prompt"],
+             "prompt_ids": item["ids"], "answer_ids": done.answer} for item, done in zip(items, finished)]
+    _save_shard(features_dir(config.out), rows, [done.features for done in finished])
+    sink.write("".join(json.dumps(row) + "\n" for row in rows))
+    sink.flush()
 
 
 def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
@@ -298,21 +374,17 @@ def main() -> None:
     parser.add_argument("--self-prompts", type=int, default=900)
     parser.add_argument("--sharegpt", type=int, default=0, help="ShareGPT first human turns to answer")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="answers per written shard")
+    parser.add_argument("--slots", type=int, default=64, help="rows decoded together (continuous batching)")
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                         help="default: the faster precision on this CPU (core.model.default_precision)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
-                       sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                       sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, slots=args.slots,
                        dtype=args.dtype or default_precision(), seed=args.seed)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     base = load_base_model(ModelConfig(dtype=config.dtype))
-    if config.dtype == "bf16":
-        # batched one-token bf16 steps run about 1.6x faster with eager attention than with
-        # SDPA's kernel on CPU (38.8 vs 62.8 ms at batch 16); in fp32 SDPA is faster
-        # (167 vs 188 ms at batch 32, AMD EPYC without AVX512)
-        base.model.set_attn_implementation("eager")
     prompts = load_train_prompts(config.train_prompts, config.seed) if config.train_prompts else []
     if config.self_prompts:
         prompts += write_self_prompts(base, config)

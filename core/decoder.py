@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from core.accept import AcceptConfig, accept, rows_to_project
 from core.auto import AutoBudget
@@ -36,7 +35,7 @@ from core.records import (AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, STRATEG
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
-from core.verify import VerifyOutput, forward_tokens, plain_step_bias, verify_tree
+from core.verify import VerifyOutput, forward_tokens, verify_tree
 
 MAX_BUDGET = 256
 MAX_TOP_M = 64
@@ -150,7 +149,8 @@ class DecodeSession:
         self.chain_drafters = self._chain_drafters(store)
         self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.cache = DynamicCache()
+        # room for the prompt, the answer and one tree on top: a static cache never has to grow
+        self.cache = base.new_cache(len(self.prompt_ids) + config.max_new_tokens + MAX_BUDGET + 2)
         self.records: list[StepRecord] = []
         self.output_ids: list[int] = []
         self.stop_reason: str | None = None
@@ -185,7 +185,7 @@ class DecodeSession:
 
     def release(self) -> None:
         """Free the KV cache (done automatically when decoding finishes); records stay."""
-        self.cache = DynamicCache()
+        self.cache = self.base.new_cache(capacity=1)
 
     @property
     def tokens_per_step(self) -> float:
@@ -235,7 +235,7 @@ class DecodeSession:
         start = time.perf_counter()
         with torch.inference_mode():
             ids = torch.tensor(self.prompt_ids)
-            out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)), None)
+            out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)))
         self.last_hidden = out.hidden[-1]  # [H]
         logits = out.row(len(self.prompt_ids) - 1)  # [V]
         self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
@@ -289,8 +289,7 @@ class DecodeSession:
         device = self.base.device
         context = cache_length(self.cache)
         t0 = _clock(device)
-        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),
-                             plain_step_bias(self.base, context))
+        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]))
         logits = out.row(0)  # [V] the logits belong to the forward, as in a tree step
         t1 = _clock(device)
         bonus = next_token(logits, self.config.accept.sampling, self.generator)

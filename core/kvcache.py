@@ -1,16 +1,27 @@
-"""KV-cache surgery on transformers' DynamicCache: keep the accepted path, drop the rest."""
+"""KV-cache surgery: keep the accepted path, drop the rest.
+
+Two kinds of cache: the lean forward's preallocated `core.engine.StaticCache` (rows moved in
+place, one gather over all layers) and transformers' DynamicCache (for the families that run on
+transformers' forward). The decoder calls these functions and never asks which it holds.
+"""
 from __future__ import annotations
+
+from typing import Union
 
 import torch
 from transformers import DynamicCache
 
+from core.engine import StaticCache
 
-def cache_length(cache: DynamicCache) -> int:
+KVCache = Union[StaticCache, DynamicCache]
+
+
+def cache_length(cache: KVCache) -> int:
     """Tokens held in the cache."""
     return int(cache.get_seq_length())
 
 
-def keep_accepted(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
+def keep_accepted(cache: KVCache, prefix_len: int, keep: torch.Tensor) -> None:
     """Keep the first `prefix_len` positions plus tree positions `keep` (node indices, ascending).
 
     After a verify the cache holds prefix + every tree node; afterwards it holds exactly the
@@ -19,6 +30,9 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     prefix_len + keep[i] to prefix_len + i and everything after the path is cropped, so a
     commit costs O(accepted) per layer whatever the context length.
     """
+    if isinstance(cache, StaticCache):
+        cache.keep(prefix_len, keep)
+        return
     sources: dict[torch.device, torch.Tensor] = {}  # per device (a model may span several)
     # a cache filled under inference mode holds inference tensors, writable in place only in that mode
     with torch.inference_mode(_holds_inference_tensors(cache)):
@@ -46,8 +60,11 @@ def _compact(states: torch.Tensor, prefix_len: int, source: torch.Tensor) -> tor
     return states[..., : prefix_len + count, :]  # [B, H, prefix+accepted, D]
 
 
-def truncate(cache: DynamicCache, length: int) -> None:
+def truncate(cache: KVCache, length: int) -> None:
     """Drop every position from `length` on (undo a verify that is not committed)."""
+    if isinstance(cache, StaticCache):
+        cache.crop(length)
+        return
     for layer in cache.layers:
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]

@@ -7,14 +7,19 @@ package is missing and the hub copy is the fallback).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import platform
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import safetensors.torch
 import torch
@@ -22,6 +27,9 @@ from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig,
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+if TYPE_CHECKING:
+    from core.engine import LeanLlama, StaticCache
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("MEDUSA_LAB_CACHE", REPO_ROOT / ".cache"))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ENGINES = ("auto", "lean", "hf")
 # fp32 on CPU: for 2..SKINNY_MAX_ROWS rows, `weight @ x.T` beats `x @ weight.T` (see linear_rows)
 SKINNY_MAX_ROWS = 32
 
@@ -48,10 +57,14 @@ class ModelConfig:
     name: str = field(default_factory=lambda: os.environ.get("MEDUSA_LAB_MODEL", DEFAULT_MODEL))
     dtype: str = "fp32"
     device: str | None = None
+    # `lean`: core.engine's forward (Llama family), `hf`: transformers' forward, `auto`: lean where it applies
+    engine: str = field(default_factory=lambda: os.environ.get("MEDUSA_LAB_ENGINE", "auto"))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,6 +116,32 @@ class BaseModel:
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (decoded alone), for labels."""
         return [self.tokenizer.decode([i]) for i in ids]
+
+    @functools.cached_property
+    def engine(self) -> "LeanLlama | None":
+        """The lean forward (core.engine) when the config asks for it and the family allows it,
+        its kernels chosen by measurement on this machine (cached on disk); None: transformers' forward."""
+        from core.engine import LeanLlama, lean_unsupported_reason
+        if self.config.engine == "hf":
+            return None
+        reason = lean_unsupported_reason(self.model)
+        if reason is not None:
+            if self.config.engine == "lean":
+                raise ValueError(f"engine 'lean' does not cover {reason}")
+            return None
+        engine = LeanLlama(self.model)
+        engine.load_or_choose_kernels(CACHE_DIR / "kernels")
+        return engine
+
+    @property
+    def engine_name(self) -> str:
+        """Which forward decodes: 'lean' or 'hf' (shown in the page and the benchmark output)."""
+        return "lean" if self.engine is not None else "hf"
+
+    def new_cache(self, capacity: int = 256) -> "StaticCache | DynamicCache":
+        """An empty KV cache of the kind this model's forward writes (a static one starts with room
+        for `capacity` positions and grows when it must)."""
+        return self.engine.new_cache(capacity) if self.engine is not None else DynamicCache()
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,24 +270,91 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def fast_bf16() -> bool:
-    """Whether bf16 is the fast precision here: a GPU, or a CPU with bf16 matrix instructions.
+# bf16 becomes the default only when it measures at least this much faster than fp32 (fp32 is exact)
+BF16_MIN_SPEEDUP = 1.3
 
-    Without AVX512-BF16 / AMX (this project's CPUs vary), a bf16 forward of 2 tokens cost 1.8x one
-    token against 1.0x in fp32 with `linear_rows`: trees pay in fp32 there, not in bf16.
-    """
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """Which precision a first run uses here, and the measurement that decided it."""
+
+    dtype: str  # "fp32" or "bf16"
+    fp32_ms: float  # one-row products over the shipped model's layer shapes, median
+    bf16_ms: float
+    device: str
+
+    @property
+    def speedup(self) -> float:
+        return self.fp32_ms / self.bf16_ms if self.bf16_ms else 0.0
+
+    def describe(self) -> str:
+        """One line for the page and the benchmark output."""
+        if self.device == "cuda":
+            return "bf16 (a GPU)"
+        verdict = "faster, so bf16" if self.dtype == "bf16" else f"below the {BF16_MIN_SPEEDUP}x needed, so fp32 (exact)"
+        return (f"{self.dtype}: on this CPU bf16 measured {self.speedup:.2f}x fp32 on a plain step's products "
+                f"({self.bf16_ms:.1f} vs {self.fp32_ms:.1f} ms), {verdict}")
+
+
+def _time_products(dtype: torch.dtype, layers: int = 12, repeats: int = 5) -> float:
+    """Median ms of one row through `layers` layers of the shipped model's projection shapes (random
+    weights, more than a CPU cache holds, so they stream from memory as in a real step)."""
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers) for shape in shapes]
+    inputs = {width: torch.randn(1, width).to(dtype) for width in (576, 1536)}
+    samples = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for weight in weights:
+                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples[1:]) * 1e3
+
+
+@functools.lru_cache(maxsize=1)
+def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
+    """The default precision, decided by measurement (not by a CPU flag) and cached on disk per CPU
+    and torch version: bf16 on a GPU; on a CPU bf16 only if it is >= BF16_MIN_SPEEDUP x faster."""
     if torch.cuda.is_available():
-        return True
+        return PrecisionChoice(dtype="bf16", fp32_ms=0.0, bf16_ms=0.0, device="cuda")
+    folder = cache_dir or CACHE_DIR / "precision"
+    key = hashlib.sha256(f"{_cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    path = folder / f"{key}.json"
+    if path.exists():
+        try:
+            return PrecisionChoice(**json.loads(path.read_text()))
+        except (TypeError, ValueError):
+            log.warning("ignoring an unreadable precision measurement in %s", path)
+    fp32_ms, bf16_ms = _time_products(torch.float32), _time_products(torch.bfloat16)
+    dtype = "bf16" if fp32_ms >= BF16_MIN_SPEEDUP * bf16_ms else "fp32"
+    choice = PrecisionChoice(dtype=dtype, fp32_ms=round(fp32_ms, 2), bf16_ms=round(bf16_ms, 2), device="cpu")
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(choice)))
+    except OSError as error:
+        log.warning("could not cache the precision measurement in %s: %s", folder, error)
+    return choice
+
+
+def _cpu_flags() -> str:
+    try:
+        return cpu_name() + "|" + next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                                       if line.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return cpu_name()
+
+
+def fast_bf16() -> bool:
+    """Whether bf16 is the fast precision here (by measurement: `precision_choice`). Where it is not,
+    bf16 on a CPU without bf16 instructions runs several times slower than fp32."""
+    return precision_choice().dtype == "bf16"
 
 
 def default_precision() -> str:
-    """The precision a first run should use on this machine: the faster one (`fast_bf16`)."""
-    return "bf16" if fast_bf16() else "fp32"
+    """The precision a first run should use on this machine: fp32 (exact) unless bf16 measures clearly faster."""
+    return precision_choice().dtype
 
 
 def default_device() -> torch.device:

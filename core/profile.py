@@ -37,12 +37,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache
 
 from core.model import CACHE_DIR, BaseModel
 from core.kvcache import truncate
 from core.tree import CandidateTree, chain_tree
-from core.verify import verify_tree
+from core.verify import forward_tokens, verify_tree
 
 PROFILE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PROFILE_CONTEXTS = (100, 500, 1500)  # context lengths (cached tokens) the cost is measured at
@@ -111,14 +110,14 @@ def _verify_code_hash() -> str:
     """Hash of the modules whose change changes a verify's cost."""
     root = Path(__file__).resolve().parent
     digest = hashlib.sha1()
-    for name in ("model.py", "verify.py", "kvcache.py", "profile.py"):
+    for name in ("model.py", "engine.py", "verify.py", "kvcache.py", "profile.py"):
         digest.update((root / name).read_bytes())
     return digest.hexdigest()[:12]
 
 
 def profile_key(base: BaseModel) -> ProfileKey:
     """The key of `base`'s profile on this machine, with this software."""
-    return ProfileKey(model=f"{base.source}|ctx{PROFILE_CONTEXTS}|sizes{PROFILE_SIZES}",
+    return ProfileKey(model=f"{base.source}|{base.engine_name}|ctx{PROFILE_CONTEXTS}|sizes{PROFILE_SIZES}",
                       threads=torch.get_num_threads(), cpu=cpu_fingerprint() if base.device.type == "cpu"
                       else f"{base.device}|{torch.cuda.get_device_name(base.device) if base.device.type == 'cuda' else ''}",
                       versions=f"torch {torch.__version__}|transformers {transformers.__version__}",
@@ -140,8 +139,8 @@ def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES,
 
 def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats: int) -> list[float]:
     prompt = torch.arange(1000, 1000 + context) % base.model.config.vocab_size
-    cache = DynamicCache()
-    base.model.model(input_ids=prompt[None].to(base.device), past_key_values=cache, use_cache=True)
+    cache = base.new_cache(context + max(sizes))
+    forward_tokens(base, cache, prompt, torch.arange(context))
     medians = []
     for size in sizes:
         tree = chain_tree(size - 1) if size > 1 else CandidateTree(paths=[])

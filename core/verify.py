@@ -4,9 +4,10 @@ The mask, position ids and cache are passed explicitly; nothing is stored on the
 """
 from __future__ import annotations
 
-import torch
-from transformers import DynamicCache
+from collections.abc import Callable
 
+import torch
+from core.kvcache import KVCache
 from core.model import BaseModel
 
 
@@ -18,9 +19,9 @@ class VerifyOutput:
     and of the last accepted node, so rows are projected on demand and cached.
     """
 
-    def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> None:
+    def __init__(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.hidden = hidden  # [n, H] last (normed) hidden state of every token
-        self._lm_head = lm_head
+        self._lm_head = lm_head  # hidden rows [r, H] -> logits [r, V]
         self._rows: dict[int, torch.Tensor] = {}
 
     def logits(self, rows: list[int]) -> torch.Tensor:
@@ -53,13 +54,28 @@ def tree_attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dty
     return bias[None, None]
 
 
-def forward_tokens(base: BaseModel, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   attention_bias: torch.Tensor | None) -> VerifyOutput:
-    """Run `input_ids` [n] at `position_ids` [n] on top of `cache` (which grows by n)."""
+def forward_tokens(base: BaseModel, cache: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   tree_mask: torch.Tensor | None = None) -> VerifyOutput:
+    """Run `input_ids` [n] at `position_ids` [n] on top of `cache` (which grows by n).
+
+    Among the new tokens, token i sees what row i of `tree_mask` (bool [n, n]) allows, or the
+    tokens before it when None (a prefill, a chain, a plain step); every cached token is visible.
+    The lean forward (core.engine) runs where the model allows it, transformers' forward elsewhere.
+    """
+    if base.engine is not None:
+        hidden = base.engine.forward(input_ids, position_ids, cache, tree_mask)  # [n, H]
+        return VerifyOutput(hidden, base.engine.project)
+    past_len = int(cache.get_seq_length())
+    if tree_mask is not None:
+        bias = tree_attention_bias(tree_mask, past_len, base.dtype, base.device)
+    elif input_ids.shape[0] == 1:
+        bias = plain_step_bias(base, past_len)
+    else:
+        bias = None  # transformers' own causal mask
     out = base.model.model(
         input_ids=input_ids[None].to(base.device),  # [1, n]
         position_ids=position_ids[None].to(base.device),  # [1, n]
-        attention_mask=attention_bias,
+        attention_mask=bias,
         past_key_values=cache,
         use_cache=True,
     )
@@ -67,7 +83,7 @@ def forward_tokens(base: BaseModel, cache: DynamicCache, input_ids: torch.Tensor
 
 
 def plain_step_bias(base: BaseModel, past_len: int) -> torch.Tensor | None:
-    """The attention mask of a one-token step: none, or an all-zero float mask (both exact).
+    """transformers' forward, one-token step: no mask, or an all-zero float mask (both exact).
 
     They select different SDPA kernels, and which is faster depends on the precision: over 1,400
     cached tokens on this CPU a bf16 step took 81 ms without a mask and 48 ms with one, an fp32 step
@@ -79,11 +95,10 @@ def plain_step_bias(base: BaseModel, past_len: int) -> torch.Tensor | None:
     return None
 
 
-def verify_tree(base: BaseModel, cache: DynamicCache, node_tokens: torch.Tensor, tree_mask: torch.Tensor,
+def verify_tree(base: BaseModel, cache: KVCache, node_tokens: torch.Tensor, tree_mask: torch.Tensor,
                 depths: torch.Tensor) -> VerifyOutput:
     """Verify all tree nodes in one forward: positions are context length + depth."""
     past_len = int(cache.get_seq_length())
     if tree_mask.shape[0] == 1:  # the root alone: a plain step
-        return forward_tokens(base, cache, node_tokens, past_len + depths, plain_step_bias(base, past_len))
-    bias = tree_attention_bias(tree_mask, past_len, base.dtype, base.device)
-    return forward_tokens(base, cache, node_tokens, past_len + depths, bias)
+        return forward_tokens(base, cache, node_tokens, past_len + depths)
+    return forward_tokens(base, cache, node_tokens, past_len + depths, tree_mask)

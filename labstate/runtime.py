@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from core.heads import MedusaHeads, default_heads
 from core.hydra import HydraHeads, default_hydra_heads
@@ -105,13 +104,13 @@ def cost_profile(rt: Runtime) -> CostProfile:
 @torch.inference_mode()
 def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int = 3) -> float:
     """Median wall time of one single-token forward over the prompt's cache (the cost of a plain step)."""
-    cache = DynamicCache()
+    cache = base.new_cache(len(prompt_ids) + 1)
     context = len(prompt_ids)
-    forward_tokens(base, cache, torch.tensor(prompt_ids), torch.arange(context), None)
+    forward_tokens(base, cache, torch.tensor(prompt_ids), torch.arange(context))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        forward_tokens(base, cache, torch.tensor(prompt_ids[-1:]), torch.tensor([context]), None)
+        forward_tokens(base, cache, torch.tensor(prompt_ids[-1:]), torch.tensor([context]))
         if base.device.type == "cuda":
             torch.cuda.synchronize(base.device)
         times.append(time.perf_counter() - start)

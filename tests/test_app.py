@@ -294,11 +294,12 @@ def test_a_step_that_waited_through_stop_is_dropped():
 
 # -- issue 14: first run, status, help, export, numbering --------------------------------------------------
 def test_defaults_are_the_setting_that_wins_on_a_cpu():
-    from core.model import default_precision, fast_bf16
+    from core.model import BF16_MIN_SPEEDUP, default_precision, precision_choice
 
     settings = labstate.Settings()
-    fast = "bf16" if fast_bf16() else "fp32"  # bf16 only where it is fast (a GPU, AVX512-BF16)
-    assert default_precision() == fast
+    choice = precision_choice()  # bf16 only where it measured clearly faster (or a GPU)
+    fast = "bf16" if choice.device == "cuda" or choice.speedup >= BF16_MIN_SPEEDUP else "fp32"
+    assert default_precision() == fast == choice.dtype
     assert (settings.precision, settings.strategy, settings.auto_budget, settings.lookup) == (fast, DYNAMIC, True,
                                                                                               True)
     strategy = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "strategy")

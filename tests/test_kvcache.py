@@ -106,16 +106,18 @@ def test_truncate_drops_the_tail():
 
 
 def test_plain_step_mask_changes_the_kernel_not_the_result():
-    """A one-token step with the all-zero float mask gives what the unmasked step gives."""
-    from core.verify import forward_tokens
+    """transformers' forward: a one-token step with the all-zero float mask (`plain_step_bias`, bf16
+    on CPU) gives what the unmasked step gives."""
     from tests.tiny import tiny_base
 
-    base = tiny_base("llama", max_positions=256)
+    base = tiny_base("llama", max_positions=256, engine="hf")
     prompt = torch.arange(40) % 256
     outputs = []
     for bias in (None, torch.zeros(1, 1, 1, 41)):
         cache = DynamicCache()
         with torch.inference_mode():
-            forward_tokens(base, cache, prompt, torch.arange(40), None)
-            outputs.append(forward_tokens(base, cache, torch.tensor([7]), torch.tensor([40]), bias).row(0))
+            base.model.model(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+            hidden = base.model.model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[40]]),
+                                      attention_mask=bias, past_key_values=cache, use_cache=True).last_hidden_state
+            outputs.append(hidden[0, 0])
     assert torch.allclose(outputs[0], outputs[1], atol=1e-5)

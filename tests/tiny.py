@@ -74,20 +74,21 @@ def tiny_tokenizer(vocab_size: int = VOCAB_SIZE, eos_token_id: int | None = None
     return tokenizer
 
 
-def wrap(model: PreTrainedModel, dtype: str = "fp32", name: str = "tiny") -> BaseModel:
-    """A BaseModel around an already prepared model, with the byte tokenizer."""
+def wrap(model: PreTrainedModel, dtype: str = "fp32", name: str = "tiny", engine: str = "auto") -> BaseModel:
+    """A BaseModel around an already prepared model, with the byte tokenizer; `engine` as in ModelConfig
+    (`auto`: the lean forward for the Llama family, transformers' forward elsewhere)."""
     tokenizer = tiny_tokenizer(max(model.config.vocab_size, VOCAB_SIZE), model.generation_config.eos_token_id)
-    config = ModelConfig(name=name, dtype=dtype, device="cpu")
+    config = ModelConfig(name=name, dtype=dtype, device="cpu", engine=engine)
     return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{name}, {dtype}, cpu")
 
 
 def tiny_base(arch: str = "llama", max_positions: int = 256, dtype: str = "fp32", *, seed: int = 0,
-              attn_implementation: str | None = None, **overrides: Any) -> BaseModel:
+              attn_implementation: str | None = None, engine: str = "auto", **overrides: Any) -> BaseModel:
     """A tiny random `arch` model prepared exactly as `load_base_model` prepares a loaded one
     (supported-family check, eval, frozen, fp32 skinny linears) and wrapped as a BaseModel."""
     model = tiny_model(arch, max_positions, dtype, seed=seed, attn_implementation=attn_implementation, **overrides)
     prepare_model(model, torch.device("cpu"), DTYPES[dtype])
-    return wrap(model, dtype, name=f"tiny-{arch}")
+    return wrap(model, dtype, name=f"tiny-{arch}", engine=engine)
 
 
 def tiny_heads(base: BaseModel, num_heads: int = 4, *, num_layers: int = 1, std: float = 0.05,

@@ -1,0 +1,203 @@
+"""The lean forward (core.engine): the same maths as transformers' forward, on tiny random models.
+
+Hidden states equal transformers' within float rounding for a prefill, a plain step and a tree
+verify; every projection kernel gives the same result; the static cache after accept, reject
+and context-limit pruning equals transformers' DynamicCache after the same steps; greedy tree
+decoding on it equals `generate`; continuous batching answers what one-by-one greedy decoding
+answers, whatever the order rows finish and are refilled in.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from core.datagen import ContinuousBatcher
+from core.decoder import DecodeConfig, decode, start_session
+from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, StaticCache
+from core.kvcache import keep_accepted, truncate
+from core.model import ModelConfig
+from core.tree import dynamic_tree
+from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_model, wrap
+
+PROMPT = list(range(10, 40))
+ATOL = 2e-5  # fp32 rounding of a differently ordered sum, on activations of order 1-10
+
+
+def _pair(arch: str = "llama", **overrides):
+    """The same tiny model on both forwards."""
+    model = tiny_model(arch, **overrides)
+    return wrap(model, engine="lean", name=f"lean-{arch}"), wrap(model, engine="hf", name=f"hf-{arch}")
+
+
+def _tree_mask(size: int, seed: int) -> torch.Tensor:
+    """The attention mask of a random dynamic tree of `size` nodes with the root."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.rand(3, 6, generator=generator).sort(descending=True).values
+    return dynamic_tree(probs / probs.sum(-1, keepdim=True), size - 1).buffers()
+
+
+@pytest.mark.parametrize("arch", sorted(LEAN_MODEL_TYPES))
+def test_hidden_states_equal_transformers(arch: str):
+    lean, hf = _pair(arch)
+    ids = torch.tensor(PROMPT)
+    with torch.inference_mode():
+        reference = hf.model.model(input_ids=ids[None]).last_hidden_state[0]  # [T, H]
+        cache = lean.new_cache()
+        prefill = lean.engine.forward(ids[:-1], torch.arange(len(ids) - 1), cache)
+        step = lean.engine.forward(ids[-1:], torch.tensor([len(ids) - 1]), cache)
+    assert isinstance(cache, StaticCache) and cache.get_seq_length() == len(ids)
+    assert torch.allclose(prefill, reference[:-1], atol=ATOL)
+    assert torch.allclose(step[0], reference[-1], atol=ATOL)
+
+
+@pytest.mark.parametrize("size", [2, 7, 16, 40])
+def test_tree_verify_equals_transformers_tree_verify(size: int):
+    from core.verify import verify_tree
+    lean, hf = _pair()
+    buffers = _tree_mask(size, seed=size)
+    tokens = torch.arange(50, 50 + buffers.attn_mask.shape[0])
+    outputs = []
+    for base in (lean, hf):
+        cache = base.new_cache()
+        with torch.inference_mode():
+            from core.verify import forward_tokens
+            forward_tokens(base, cache, torch.tensor(PROMPT), torch.arange(len(PROMPT)))
+            out = verify_tree(base, cache, tokens, buffers.attn_mask, buffers.position_ids)
+            outputs.append(out.logits(list(range(len(tokens)))))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-4)
+
+
+def test_every_kernel_gives_the_same_result():
+    lean, _ = _pair()
+    engine: LeanLlama = lean.engine
+    ids = torch.arange(5, 5 + 40)
+    results = {}
+    for kernel in ("linear", "wxt", "mkldnn"):
+        if kernel == "mkldnn" and not torch.backends.mkldnn.is_available():
+            continue
+        engine.apply_kernels({bucket: kernel for bucket in ROW_BUCKETS})
+        with torch.inference_mode():
+            cache = engine.new_cache()
+            hidden = engine.forward(ids, torch.arange(len(ids)), cache)  # 40 rows: the largest bucket
+            step = engine.forward(ids[:1], torch.tensor([len(ids)]), cache)  # 1 row
+            tree = engine.forward(ids[:5], torch.arange(41, 46), cache)  # 5 rows
+        results[kernel] = torch.cat([hidden, step, tree])
+    first = next(iter(results.values()))
+    assert len(results) >= 2
+    assert all(torch.allclose(first, other, atol=ATOL) for other in results.values())
+
+
+def test_kernel_choice_is_measured_once_and_cached(tmp_path):
+    lean, _ = _pair()
+    engine = lean.engine
+    engine.load_or_choose_kernels(tmp_path)
+    saved = list(tmp_path.glob("*.json"))
+    assert len(saved) == 1
+    chosen = {bucket: engine.lm_head.kernels[bucket] for bucket in ROW_BUCKETS}
+    assert set(engine.kernel_report) == set(ROW_BUCKETS)
+    fresh = LeanLlama(lean.model)
+    fresh.load_or_choose_kernels(tmp_path)  # read back, not re-measured
+    assert {bucket: fresh.lm_head.kernels[bucket] for bucket in ROW_BUCKETS} == chosen
+
+
+def _dynamic_snapshot(cache: DynamicCache) -> torch.Tensor:
+    return torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])  # [L, 2, 1, kvh, S, d]
+
+
+def _static_snapshot(cache: StaticCache) -> torch.Tensor:
+    end = cache.get_seq_length()
+    return torch.stack([cache.keys[:, :, :, :end], cache.values[:, :, :, :end]], dim=1)  # [L, 2, 1, kvh, S, d]
+
+
+def test_static_cache_equals_dynamic_cache_after_accept_reject_and_pruning():
+    """Same verifies and commits on both caches: equal contents (float rounding) at every point."""
+    from core.verify import forward_tokens, verify_tree
+    lean, hf = _pair()
+    caches = [lean.new_cache(capacity=8), hf.new_cache()]  # a small capacity: the static one must grow
+    bases = (lean, hf)
+    with torch.inference_mode():
+        for base, cache in zip(bases, caches):
+            forward_tokens(base, cache, torch.tensor(PROMPT), torch.arange(len(PROMPT)))
+        for seed, keep in ((1, [0, 1, 3]), (2, [0]), (3, [0, 2, 5, 9])):
+            buffers = _tree_mask(12, seed)
+            tokens = torch.arange(60, 60 + buffers.attn_mask.shape[0])
+            context = caches[0].get_seq_length()
+            for base, cache in zip(bases, caches):
+                verify_tree(base, cache, tokens, buffers.attn_mask, buffers.position_ids)
+            rejected = seed == 2  # a verify that is not committed (the fixed-tree comparison)
+            for cache in caches:
+                if rejected:
+                    truncate(cache, context)
+                else:
+                    keep_accepted(cache, context, torch.tensor(keep))
+            assert caches[0].get_seq_length() == caches[1].get_seq_length()
+            assert torch.allclose(_static_snapshot(caches[0]), _dynamic_snapshot(caches[1]), atol=ATOL)
+        for cache in caches:  # pruned back, as a run near the context limit does
+            truncate(cache, len(PROMPT) + 2)
+        assert torch.allclose(_static_snapshot(caches[0]), _dynamic_snapshot(caches[1]), atol=ATOL)
+
+
+@pytest.mark.parametrize("engine", ["lean", "hf"])
+@pytest.mark.parametrize("strategy", ["autoregressive", "dynamic", "fixed"])
+def test_greedy_decoding_on_either_forward_equals_generate(engine: str, strategy: str):
+    base = tiny_base("llama", engine=engine)
+    assert base.engine_name == engine
+    heads = tiny_heads(base)
+    plain = greedy_reference(base, PROMPT, 40)
+    config = DecodeConfig(strategy=strategy, budget=15, max_new_tokens=40)
+    assert decode(base, heads if strategy != "autoregressive" else None, PROMPT, config).output_ids == plain
+
+
+def test_a_forked_session_keeps_its_own_static_cache():
+    base = tiny_base("llama")
+    session = start_session(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="dynamic", max_new_tokens=30))
+    session.step()
+    twin = session.fork(seed=1)
+    for _ in range(3):
+        twin.step()
+    rest = list(session.run())
+    assert rest and session.output_ids[: len(twin.output_ids)] == twin.output_ids
+
+
+def test_lean_engine_refuses_what_it_does_not_cover():
+    with pytest.raises(ValueError, match="lean"):
+        wrap(tiny_model("phi3"), engine="lean").engine
+    assert wrap(tiny_model("phi3")).engine is None  # auto: transformers' forward
+    with pytest.raises(ValueError, match="engine"):
+        ModelConfig(engine="fast")
+
+
+def test_continuous_batching_answers_what_one_by_one_greedy_answers():
+    """Two slots, seven prompts of different lengths, an EOS that ends some answers early: slots are
+    refilled out of order and every answer equals plain greedy decoding of its prompt alone."""
+    prompts = [list(range(20 + i, 26 + 3 * i)) for i in range(7)]
+    model = tiny_model("llama")
+    free = [greedy_reference(wrap(model), ids, 24) for ids in prompts]
+    # EOS := a token that some answers write early and others late or never
+    counts = torch.bincount(torch.tensor([t for answer in free for t in answer[2:20]]))
+    eos = int(counts.argmax())
+    model.generation_config.eos_token_id = eos
+    base = wrap(model)
+    assert base.eos_token_ids == {eos}
+    batcher = ContinuousBatcher(base, 24, slots=2, max_prompt_tokens=40)
+    finished = list(batcher.run(list(enumerate(prompts))))
+    assert sorted(done.key for done in finished) == list(range(7))
+    order = [done.key for done in finished]
+    for done in finished:
+        assert done.answer == greedy_reference(base, prompts[done.key], 24)
+        assert len(done.features.hidden) == len(done.answer)
+    lengths = [len(done.answer) for done in finished]
+    assert len(set(lengths)) > 1 or order != sorted(order)  # rows really finished at different times
+
+
+@pytest.mark.parametrize("fp32_ms, bf16_ms, expected", [(10.0, 5.0, "bf16"), (10.0, 9.0, "fp32"), (10.0, 50.0, "fp32")])
+def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkeypatch, fp32_ms, bf16_ms, expected):
+    import core.model
+    timings = {torch.float32: fp32_ms, torch.bfloat16: bf16_ms}
+    monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.model, "_time_products", lambda dtype: timings[dtype])
+    choice = core.model.precision_choice.__wrapped__(tmp_path)
+    assert choice.dtype == expected and expected in choice.describe()
+    monkeypatch.setattr(core.model, "_time_products", lambda dtype: pytest.fail("measured twice"))
+    assert core.model.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
