@@ -8,7 +8,9 @@ JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, `hydra:<budget>` 
 (the tree Hydra heads grow, `core.hydra`), each with `+lookup` (a
 prompt-lookup chain joins the tree) and/or `+store` (datastore branches, `core.datastore`), `hf:greedy` (transformers' generate) and
 `hf:prompt_lookup` (generate with prompt-lookup decoding). `fixed` / `dynamic` alone mean the
-defaults. Every ratio is against `ar` measured in the same run, same precision.
+defaults. A suffix `@hf` or `@lean` runs a strategy on transformers' forward or the lean one
+(`core.engine`), so `ar,ar@hf,dynamic:auto,dynamic:auto@hf` measures the engine before and after
+in one run. Every ratio is against `ar` measured in the same run, same precision.
 """
 from __future__ import annotations
 
@@ -83,9 +85,21 @@ def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0
     return prompts[:limit] if limit else prompts
 
 
+def engine_of(spec: str) -> str | None:
+    """The forward a spec asks for with an `@lean` / `@hf` suffix (None: the run's default)."""
+    _, at, engine = spec.rpartition("@")
+    if not at:
+        return None
+    if engine not in ("lean", "hf"):
+        raise ValueError(f"unknown forward {engine!r} in {spec!r}: use @lean or @hf")
+    return engine
+
+
 def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
-    """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers."""
-    kind, _, arg = spec.partition(":")
+    """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers.
+    An `@hf` / `@lean` suffix (e.g. `ar@hf`) runs the strategy on that forward (see `engine_of`)."""
+    engine_of(spec)  # validates the suffix
+    kind, _, arg = spec.rpartition("@")[0].partition(":") if "@" in spec else spec.partition(":")
     if kind == "ar":
         return replace(base_config, strategy=AUTOREGRESSIVE)
     if kind == "fixed":
@@ -204,17 +218,21 @@ def _ratios_to_ar(rows: list[BenchRow], spec: str) -> dict:
 
 
 def benchmark(base: BaseModel, heads: HeadSet, prompts: list[Prompt], specs: list[str], config: DecodeConfig,
-              on_prompt: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
+              on_prompt: Callable[[list[BenchRow]], None] | None = None, *,
+              other_forwards: dict[str, BaseModel] | None = None) -> list[BenchRow]:
     """Every strategy on every prompt, interleaved; one short warm-up per strategy first.
-    `on_prompt` sees the rows so far after each prompt (the CLI saves them, so a cut-off run keeps them)."""
+    `on_prompt` sees the rows so far after each prompt (the CLI saves them, so a cut-off run keeps them).
+    `other_forwards`: the same model on another forward, for specs with an `@lean` / `@hf` suffix."""
     strategies = {spec: parse_strategy(spec, config) for spec in specs}
+    bases = {spec: (other_forwards or {}).get(engine_of(spec) or "", base) for spec in specs}
     for spec, strategy in strategies.items():
         warm = strategy if isinstance(strategy, str) else replace(strategy, max_new_tokens=4)
-        run_one(base, heads, prompts[0], spec, warm, 4)
+        run_one(bases[spec], heads, prompts[0], spec, warm, 4)
     rows: list[BenchRow] = []
     with tqdm(total=len(prompts) * len(specs), desc="bench") as bar:
         for prompt in prompts:
-            ran = {spec: run_one(base, heads, prompt, spec, strategies[spec], config.max_new_tokens) for spec in specs}
+            ran = {spec: run_one(bases[spec], heads, prompt, spec, strategies[spec], config.max_new_tokens)
+                   for spec in specs}
             mine = {spec: row for spec, (row, _) in ran.items()}
             reference, margins = ran.get("ar", (None, None))
             for spec, row in mine.items():
@@ -324,7 +342,11 @@ def main() -> None:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    result = save(benchmark(base, head_set, prompts, specs, config, on_prompt=save), complete=True)
+    forwards = {base.engine_name: base}
+    for engine in {engine_of(spec) for spec in specs} - {None, base.engine_name}:
+        forwards[engine] = load_base_model(replace(model_config, engine=engine))
+    result = save(benchmark(base, head_set, prompts, specs, config, on_prompt=save, other_forwards=forwards),
+                  complete=True)
     print(json.dumps(result["summary"], indent=1))
 
 

@@ -15,17 +15,51 @@ step each drafter `observe`s what was accepted, to sharpen its estimates.
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+from torch import nn
 
-from core.heads import MedusaHeads
+from core.heads import DraftProjection, MedusaHeads
 from core.hydra import GrownTree, HydraHeads, grow_tree
 from core.lookup import ChainStats, agreeing_prefix, lookup_drafts
-from core.model import BaseModel
+from core.model import BaseModel, fast_bf16
 
 MAX_CHAIN_TOKENS = 32
+
+
+def drafting_dtype(base: BaseModel) -> torch.dtype:
+    """The precision the heads draft in: bf16 where it measured fast (`core.model.fast_bf16`), even
+    under an fp32 base model, since a draft only proposes and the fp32 verify decides every token."""
+    if base.dtype == torch.float32 and fast_bf16():
+        return torch.bfloat16
+    return base.dtype
+
+
+# heads and their projection cast once per precision (read-only, shared by every session)
+_CAST: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel
+                       ) -> tuple[MedusaHeads | HydraHeads, DraftProjection | None, torch.dtype]:
+    """`heads` in the drafting precision with their draft projection (None: own lm_head)."""
+    dtype = drafting_dtype(base)
+    cast = _CAST.setdefault(heads, {})
+    if dtype not in cast:
+        own = isinstance(heads, MedusaHeads) and heads.config.own_lm_head
+        projection = None if own else heads.draft_projection(base.lm_head)
+        if next(heads.parameters()).dtype == dtype:
+            cast[dtype] = (heads, projection)
+        else:
+            copied = copy.deepcopy(heads).to(dtype)
+            if projection is not None:
+                projection = DraftProjection(weight=projection.weight.to(dtype), token_ids=projection.token_ids)
+            cast[dtype] = (copied, projection)
+    drafting, projection = cast[dtype]
+    return drafting, projection, dtype
 
 
 @dataclass(frozen=True)
@@ -74,13 +108,13 @@ class HeadsDrafter:
     name = "heads"
 
     def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
-        self.heads = heads
+        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
         self.width = width
         self.depth = depth
-        self.projection = heads.draft_projection(base.lm_head) if not heads.config.own_lm_head else None
 
     def propose(self, context: DraftContext) -> HeadProposal:
-        probs, ids = self.heads.propose(context.hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
+        hidden = context.hidden.to(self.dtype)  # [H]
+        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
         return HeadProposal(probs=probs, token_ids=ids)
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
@@ -94,9 +128,11 @@ class HydraDrafter:
     name = "hydra"
 
     def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
-        self.heads = heads
-        self.embed = base.model.get_input_embeddings()
-        self.projection = heads.draft_projection(base.lm_head)
+        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
+        embed = base.model.get_input_embeddings()
+        # the path embeddings in the drafting precision too (a copy only when it differs)
+        self.embed = embed if embed.weight.dtype == self.dtype else nn.Embedding.from_pretrained(
+            embed.weight.to(self.dtype), freeze=True)
         self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
 
     def propose(self, context: DraftContext) -> GrownTree:

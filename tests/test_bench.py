@@ -116,3 +116,27 @@ def test_hydra_specs_parse_and_pick_hydra_heads():
     assert HeadSet(medusa, hydra).for_strategy(parse_strategy("dynamic:auto", DecodeConfig())) is medusa
     with pytest.raises(ValueError, match="Hydra heads"):
         HeadSet(medusa).for_strategy(config)
+
+
+def test_forward_suffix_runs_a_strategy_on_the_other_forward():
+    """`ar@hf` runs plain decoding on transformers' forward beside `ar` on the lean one: same
+    tokens (fp32), two rows, the ratio of the two is the engine's speed-up in one run."""
+    from core.bench import Prompt, benchmark, engine_of, parse_strategy
+    from core.decoder import DecodeConfig
+    from core.records import AUTOREGRESSIVE
+    from tests.tiny import tiny_base, tiny_heads
+
+    assert engine_of("dynamic:auto+lookup@hf") == "hf" and engine_of("ar") is None
+    assert parse_strategy("dynamic:auto+lookup@hf", DecodeConfig()).lookup_tokens > 0
+    assert parse_strategy("ar@lean", DecodeConfig()).strategy == AUTOREGRESSIVE
+    with pytest.raises(ValueError, match="@lean or @hf"):
+        parse_strategy("ar@fast", DecodeConfig())
+    lean, hf = tiny_base("llama"), tiny_base("llama", engine="hf")
+    assert (lean.engine_name, hf.engine_name) == ("lean", "hf")
+    from core.bench import HeadSet
+    rows = benchmark(lean, HeadSet(medusa=tiny_heads(lean)), [Prompt(id="p", text="hello there")],
+                     ["ar", "ar@hf", "dynamic:8@hf"], DecodeConfig(max_new_tokens=12, record_texts=False),
+                     other_forwards={"lean": lean, "hf": hf})
+    by_spec = {row.strategy: row for row in rows}
+    assert by_spec["ar@hf"].output_ids == by_spec["ar"].output_ids == by_spec["dynamic:8@hf"].output_ids
+    assert by_spec["ar@hf"].identical_to_ar

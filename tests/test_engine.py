@@ -201,3 +201,21 @@ def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkey
     assert choice.dtype == expected and expected in choice.describe()
     monkeypatch.setattr(core.model, "_time_products", lambda dtype: pytest.fail("measured twice"))
     assert core.model.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
+
+
+@pytest.mark.parametrize("family", ["medusa", "hydra"])
+def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
+    """Where bf16 is fast the heads draft in bf16 even for an fp32 run: the drafts change, the
+    fp32 verify keeps the output equal to plain greedy."""
+    import core.drafters
+    from tests.tiny import tiny_hydra
+    monkeypatch.setattr(core.drafters, "fast_bf16", lambda: True)
+    base = tiny_base("llama")
+    heads = tiny_heads(base) if family == "medusa" else tiny_hydra(base)
+    drafting, _, dtype = core.drafters.heads_for_drafting(heads, base)
+    assert dtype == torch.bfloat16 and next(drafting.parameters()).dtype == torch.bfloat16
+    assert next(heads.parameters()).dtype == torch.float32  # the shared heads are never changed
+    strategy = "dynamic" if family == "medusa" else "hydra"
+    session = decode(base, heads, PROMPT, DecodeConfig(strategy=strategy, budget=15, max_new_tokens=40))
+    assert session.output_ids == greedy_reference(base, PROMPT, 40)
+    assert any(len(r.outcome.accepted_nodes) > 1 for r in session.records) or family == "hydra"
