@@ -57,7 +57,8 @@ from core.model import precision_choice
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, StepRecord
 from core.tree import load_named_trees
 from labstate import LabInputError, LabNotice, LabState, Run, Settings
-from viz.bench_plot import bench_figure, category_table, markdown_table, result_order
+from viz.bench_plot import (bench_figure, category_table, markdown_table, result_order, step_trace_figure,
+                             stepped_strategies)
 from viz.mask_plot import mask_figure
 from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text_html
 from viz.timing_plot import accepted_figure, cumulative_figure, phase_figure
@@ -662,7 +663,7 @@ def _num_heads() -> int:
     return DEFAULTS.depth
 
 
-CURRENT_ROUND = "round7"  # the benchmark files of this round (scripts/bench_round.sh) open the tab
+CURRENT_ROUND = "round8"  # the benchmark files of this round (scripts/bench_round.sh) open the tab
 
 
 def _benchmark_tab() -> None:
@@ -678,6 +679,9 @@ def _benchmark_tab() -> None:
         result = json.loads(path.read_text())
         gr.Markdown(_bench_heading(path, result) + "\n\n" + markdown_table(result), elem_classes=["bench-table"])
         gr.Plot(bench_figure(result, path.stem), show_label=False)
+        for strategy in stepped_strategies(result):
+            with gr.Accordion(f"{strategy} step by step: tree sizes and controller state per prompt", open=False):
+                gr.Plot(step_trace_figure(result, strategy), show_label=False)
         per_category = category_table(result)
         if per_category:
             with gr.Accordion("Per category (worst prompt in brackets)", open=False):

@@ -12,6 +12,14 @@ size, and the costs the controller uses are the profile's scaled by the median m
 ratio of recent steps, separately for one-token forwards and trees. So that the one-token cost
 is always measured, not assumed, the run makes a plain step (no heads, no chains) early on and
 again whenever none ran for PROBE_EVERY steps: a wrong profile is corrected within a few steps.
+Probes that agree with what was measured come rarer (up to MAX_PROBE_EVERY steps apart).
+
+No lock-in: a back-off acts on the tree steps measured so far, which then no longer count (the
+next decision needs fresh ones); the heads' calibration fades (`DepthCalibration`); a head step
+that verified the root alone counts in no measured rate; and once no tree ran for a whole
+back-off, one step verifies the best node anyway ("exploring"), so the heads' evidence can change.
+Explores that keep failing come rarer (up to MAX_EXPLORE_AFTER steps apart). `state` names what
+the controller does each step; the decoder keeps it in the step record.
 """
 from __future__ import annotations
 
@@ -28,6 +36,10 @@ MIN_RATE_STEPS = 12  # fewer steps than this: no measured rate yet
 OVERHEAD_STEPS = 16
 MAX_BACKOFF = 16
 PROBE_EVERY = 32  # a plain step at least this often (steps 1, 3, 5 first): the run measures plain speed
+MAX_PROBE_EVERY = 128  # ... and at most this rarely, while probes keep agreeing
+PROBE_AGREEMENT = 0.15  # a probe within 15 % of the median plain cost agrees
+MAX_EXPLORE_AFTER = 128  # explores that keep failing come at most this rarely
+EXPLORE_NODES = 1  # nodes an exploring step verifies at least (the cheapest tree that measures the heads)
 CORRECTION_STEPS = 16  # measured/predicted ratios a cost correction takes the median of
 
 
@@ -87,6 +99,24 @@ class AutoBudget:
     steps: int = 0
     correction: CostCorrection = field(default_factory=CostCorrection)
     last_plain: int | None = None  # index of the last plain (one-token) step
+    evidence_from: int = 0  # tree steps before this step no longer count (a back-off acted on them)
+    probe_every: int = PROBE_EVERY  # grows while probes keep agreeing with what was measured
+    exploring: bool = False  # this step verifies a small tree even if none looks worth it (stale evidence)
+    last_tree_step: int = 0  # index of the last step that verified a head tree
+    explore_after: int = MAX_BACKOFF  # steps without a tree before exploring; doubles while explores fail
+
+    @property
+    def state(self) -> str:
+        """What the controller does this step: probing (a plain step to measure plain speed),
+        backing off (plain steps: trees did not pay), exploring (a small tree to measure the heads
+        again after a back-off) or normal."""
+        if self.probe_plain():
+            return "probing"
+        if self.steps < self.plain_until:
+            return "backing off"
+        if self.backoff and self.steps == self.plain_until and self.steps - self.last_tree_step >= self.explore_after:
+            return "exploring"  # no tree for a whole back-off: the heads' evidence is stale
+        return "normal"
 
     @property
     def costs(self) -> CorrectedProfile:
@@ -105,7 +135,7 @@ class AutoBudget:
             return False
         if len(self.correction.plain) < MIN_CORRECTION_SAMPLES:
             return self.steps % 2 == 1
-        return self.steps - self.last_plain >= PROBE_EVERY
+        return self.steps - self.last_plain >= self.probe_every
 
     def expected(self, draft: DraftTree) -> list[float]:
         """Expected acceptance of each node in best-first order: the heads' score corrected per
@@ -122,19 +152,31 @@ class AutoBudget:
         tree = draft.tree
         size, rate = best_prefix(self.expected(draft), tree.depths[1:], self.costs,
                                  self.overhead_ms(heads_used), context=context)
+        exploring = self.exploring = heads_used and size == 0 and self.state == "exploring"
         if heads_used:
             self._update_backoff(size, rate, context)
+        if exploring:  # without a verified tree the heads' evidence could never change
+            size = min(EXPLORE_NODES, tree.num_nodes)  # once per back-off: the back-off itself goes on
         return size
 
     def observe(self, record: StepRecord) -> None:
         """Learn from one finished step (of any kind)."""
         if _used_heads(record):
             self._calibrate(record)
+        if _tree_step(record):
+            self.last_tree_step = self.steps
+            if self.exploring and len(record.outcome.accepted_nodes) > 1:
+                self.backoff, self.plain_until = 0, self.steps + 1  # the heads are right again: fresh evidence
+                self.explore_after = MAX_BACKOFF
+            elif self.exploring:
+                self.explore_after = min(2 * self.explore_after, MAX_EXPLORE_AFTER)
+        self.exploring = False
         tokens = record.outcome.tree.num_nodes + 1
         self.correction.add(tokens, 1000 * record.times.verify, self.profile.cost(tokens, record.context_length),
                             self.steps)
         self.correction.forget_stale(self.steps)
         if tokens == 1:
+            self._probe_measured(record)
             self.last_plain = self.steps
         self.records = (self.records + [record])[-WINDOW:]
         self.steps += 1
@@ -160,6 +202,7 @@ class AutoBudget:
         # verifying, the next 1, 2, 4 ... 16 steps are plain (reset once a tree pays again)
         if (measured is not None and measured < 0.9 * plain) or rate < 0.8 * plain:
             self.backoff = MAX_BACKOFF
+            self.evidence_from = self.steps + 1  # acted on: later decisions need fresh tree steps
         elif size == 0:
             self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
         else:
@@ -167,12 +210,28 @@ class AutoBudget:
         self.plain_until = self.steps + 1 + self.backoff  # steps after this one
 
     def measured_rate(self, heads_used: bool) -> float | None:
-        """Tokens per ms that the last 24 steps with (or without) the heads actually delivered;
-        None before 12 of them. Steps without the heads are plain or lookup-only ones."""
-        recent = [r for r in self.records if _used_heads(r) == heads_used][-RATE_STEPS:]
+        """Tokens per ms that the last 24 steps with (or without) a head tree actually delivered;
+        None before 12 of them. Steps without the heads are plain or lookup-only ones; head steps
+        that verified the root alone are neither (they paid the drafting for a plain step's
+        token) and count in no rate; tree steps from before the last back-off no longer count."""
+        if heads_used:
+            recent = [r for r in self.records if _tree_step(r) and r.index >= self.evidence_from][-RATE_STEPS:]
+        else:
+            recent = [r for r in self.records if not _used_heads(r)][-RATE_STEPS:]
         if len(recent) < MIN_RATE_STEPS:
             return None
         return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
+
+    def _probe_measured(self, record: StepRecord) -> None:
+        """A one-token step: if the plain cost agrees with what was measured before (within
+        PROBE_AGREEMENT), probes become rarer (up to MAX_PROBE_EVERY steps apart); if not, the
+        evidence is thin again and they come back every PROBE_EVERY steps."""
+        ratios = self.correction.plain
+        if len(ratios) <= MIN_CORRECTION_SAMPLES:
+            return
+        previous = statistics.median(ratios[:-1])
+        agrees = abs(ratios[-1] - previous) <= PROBE_AGREEMENT * previous
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if agrees else PROBE_EVERY
 
     def overhead_ms(self, heads_used: bool) -> float:
         """Mean non-verify time (draft, tree, accept, commit) of recent steps with or without heads.
@@ -192,3 +251,8 @@ class AutoBudget:
 
 def _used_heads(record: StepRecord) -> bool:
     return record.strategy not in (AUTOREGRESSIVE, LOOKUP)
+
+
+def _tree_step(record: StepRecord) -> bool:
+    """A step that verified a tree the heads proposed (not the root alone)."""
+    return _used_heads(record) and record.outcome.tree.num_nodes > 0

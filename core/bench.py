@@ -19,7 +19,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +67,11 @@ class BenchRow:
     first_divergence: int | None = None
     divergence_logit_gap: float | None = None  # ar's top-1 minus top-2 logit where the outputs part
     category: str = ""
+    # per step: nodes verified besides the root, tokens emitted, verify ms, the controller's state
+    step_nodes: list = field(default_factory=list)
+    step_tokens: list = field(default_factory=list)
+    step_verify_ms: list = field(default_factory=list)
+    step_state: list = field(default_factory=list)
 
 
 def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0) -> list[Prompt]:
@@ -167,7 +172,11 @@ def run_one(base: BaseModel, heads: HeadSet, prompt: Prompt, spec: str, strategy
     return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(session.output_ids), steps=steps,
                     mean_accepted=session.tokens_per_step, seconds=seconds,
                     tokens_per_s=len(session.output_ids) / seconds, phase_seconds=phases,
-                    output_ids=session.output_ids, category=prompt.category), \
+                    output_ids=session.output_ids, category=prompt.category,
+                    step_nodes=[r.outcome.tree.num_nodes for r in session.records],
+                    step_tokens=[len(r.new_tokens) for r in session.records],
+                    step_verify_ms=[round(1000 * r.times.verify, 2) for r in session.records],
+                    step_state=[r.controller for r in session.records]), \
         plain_margins(session) if strategy.strategy == AUTOREGRESSIVE else None
 
 

@@ -198,6 +198,7 @@ class DecodeSession:
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
         max_depth = self._room() - 1  # deeper nodes would not fit the context
+        controller = self.auto.state if self.auto is not None else ""
         t0 = _clock(self.base.device)
         heads, chains = self._draft(max_depth)
         draft_seconds = _clock(self.base.device) - t0
@@ -206,7 +207,7 @@ class DecodeSession:
         else:
             record = self._step_tree(heads, chains, max_depth)
         record = replace(record, times=replace(record.times, heads=record.times.heads + draft_seconds),
-                         new_tokens=self._emit(record.new_tokens))
+                         new_tokens=self._emit(record.new_tokens), controller=controller)
         self.records.append(record)
         if self.auto is not None:
             self.auto.observe(record)

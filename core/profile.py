@@ -200,6 +200,9 @@ def measured_quietly(*one_token_ms: float) -> bool:
     return max(one_token_ms) <= (1 + BUSY_SPREAD) * min(one_token_ms)
 
 
+CALIBRATION_DECAY = 0.95
+
+
 @dataclass
 class DepthCalibration:
     """Observed / predicted acceptance per depth, learned online (starts at 1: trust the heads)."""
@@ -211,11 +214,17 @@ class DepthCalibration:
         return self.observed[depth - 1] / self.predicted[depth - 1]
 
     def update(self, depths: list[int], scores: list[float], accepted_depth: int) -> None:
-        """depths/scores of the tree's non-root nodes; accepted_depth = accepted head tokens."""
+        """depths/scores of the tree's non-root nodes; accepted_depth = accepted head tokens.
+
+        Older evidence fades (CALIBRATION_DECAY per update of a depth, a memory of about 20
+        steps): heads that were wrong at the start of an answer and right later (a list, a code
+        block) are trusted again once they are right, instead of being discounted for good."""
         per_depth: dict[int, float] = {}
         for depth, score in zip(depths, scores):
             per_depth[depth] = per_depth.get(depth, 0.0) + score
         for depth, predicted in per_depth.items():
+            self.predicted[depth - 1] *= CALIBRATION_DECAY
+            self.observed[depth - 1] *= CALIBRATION_DECAY
             self.predicted[depth - 1] += min(predicted, 1.0)
             self.observed[depth - 1] += 1.0 if accepted_depth >= depth else 0.0
 

@@ -114,6 +114,7 @@ class StepRecord:
     comparison: TreeOutcome | None = None  # the fixed tree on the same head outputs and context
     head_texts: list[list[str]] = field(default_factory=list)
     top_logits: tuple[float, float] | None = None  # plain steps: the base model's top-1 and top-2 logits
+    controller: str = ""  # dynamic:auto's state when it chose this step (core.auto.AutoBudget.state)
 
     @property
     def top2_gap(self) -> float | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from core.auto import AutoBudget
@@ -65,11 +66,12 @@ def test_expected_acceptance_takes_the_larger_of_head_and_chain_estimates():
     assert expected[grafted.chain_paths[0][1]] == 0.0005
 
 
-def _simulate_controller(profile: CostProfile, real_ms, accept_chance: float, steps: int = 240,
-                         seed: int = 0) -> tuple[list[float], list[float]]:
+def _simulate_controller(profile: CostProfile, real_ms, accept_chance, steps: int = 240,
+                         seed: int = 0, kinds: list | None = None) -> tuple[list[float], list[float]]:
     """Drive the real AutoBudget over a synthetic run: heads whose depth-d guess is right with
     `accept_chance` (given the depths before it), verify times from `real_ms(tokens)`, 2 ms of
-    drafting on head steps. Returns per-step (tokens, ms)."""
+    drafting on head steps (`accept_chance` may be a function of the step index). Returns
+    per-step (tokens, ms); `kinds`, when given, gets each step's verified node count (-1: no heads)."""
     import random
     rng = random.Random(seed)
     auto = AutoBudget(profile)
@@ -82,7 +84,8 @@ def _simulate_controller(profile: CostProfile, real_ms, accept_chance: float, st
             draft = draft.keep(size=auto.choose(draft, heads_used=True, context=100))
             accepted = []
             path: tuple[int, ...] = ()
-            while rng.random() < accept_chance and path + (0,) in draft.tree:
+            chance = accept_chance(index) if callable(accept_chance) else accept_chance
+            while rng.random() < chance and path + (0,) in draft.tree:
                 path = path + (0,)
                 accepted.append(path)
             step = record(draft, accepted)
@@ -95,6 +98,8 @@ def _simulate_controller(profile: CostProfile, real_ms, accept_chance: float, st
             verify, draft_ms = real_ms(1) / 1000, 0.0
         step = replace(step, index=index, times=PhaseTimes(heads=draft_ms, verify=verify))
         auto.observe(step)
+        if kinds is not None:
+            kinds.append(step.outcome.tree.num_nodes if step.strategy == DYNAMIC else -1)
         tokens.append(len(step.new_tokens))
         times.append(1000 * step.times.total)
     return tokens, times
@@ -150,3 +155,39 @@ def test_one_slow_tree_step_does_not_lock_the_run_into_plain_steps():
     assert correction.factor(5) == 3.0
     correction.forget_stale(MIN_CORRECTION_SAMPLES + STALE_TREE_STEPS + 1)
     assert correction.factor(5) == 1.0
+
+
+def test_a_bad_start_does_not_lock_the_run_out_of_trees():
+    """Heads wrong for the first 60 steps (a preamble), right 80 % of the time after (a list):
+    the controller backs off, and within 8 steps of the first tree step that sees the change it
+    runs trees again, and the rest of the run beats plain decoding clearly. (The controller of
+    the last round kept backing off on the stale rate and the never-forgotten calibration.)"""
+    real = lambda tokens: 20.0 if tokens == 1 else 22.0 + 0.4 * (tokens - 2)  # noqa: E731
+    exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 22.0, 46.8])
+    kinds: list[int] = []
+    tokens, times = _simulate_controller(exact, real, accept_chance=lambda i: 0.0 if i < 60 else 0.8,
+                                         steps=200, kinds=kinds)
+    assert sum(k > 0 for k in kinds[30:60]) < 15  # it did back off during the bad start
+    from core.auto import MAX_BACKOFF, MAX_EXPLORE_AFTER
+    first_tree = next(i for i in range(60, len(kinds)) if kinds[i] > 0)  # the evidence changes here
+    assert first_tree - 60 <= MAX_EXPLORE_AFTER + MAX_BACKOFF  # an exploring step comes at the latest then
+    following = kinds[first_tree + 1:first_tree + 9]
+    assert sum(k > 0 for k in following) >= 5, following
+    assert sum(tokens[first_tree:]) / sum(times[first_tree:]) >= 1.5 / 20.0
+
+
+def test_root_only_steps_count_in_no_measured_rate():
+    from core.auto import AutoBudget
+    auto = AutoBudget(PROFILE)
+    proposal = heads()
+    empty = build_draft_tree(proposal, [], budget=10, top_m=8, depth=4).keep(size=0)
+    assert empty.tree.num_nodes == 0
+    for index in range(30):  # slow root-only head steps: drafting paid, one token each
+        step = replace(record(empty, []), index=index, times=PhaseTimes(heads=0.05, verify=0.02))
+        auto.observe(step)
+    assert auto.measured_rate(heads_used=True) is None
+    assert auto.measured_rate(heads_used=False) is None
+    tree = build_draft_tree(proposal, [], budget=10, top_m=8, depth=4)
+    for index in range(30, 45):
+        auto.observe(replace(record(tree, [tree.tree.paths[0]]), index=index))
+    assert auto.measured_rate(heads_used=True) == pytest.approx(2 / 20.0)

@@ -140,3 +140,30 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
     by_spec = {row.strategy: row for row in rows}
     assert by_spec["ar@hf"].output_ids == by_spec["ar"].output_ids == by_spec["dynamic:8@hf"].output_ids
     assert by_spec["ar@hf"].identical_to_ar
+
+
+def test_per_step_records_round_trip_through_the_json(monkeypatch):
+    """Each row keeps, per step, the nodes verified, the tokens emitted, the verify time and the
+    controller's state; they survive the JSON file and a merge."""
+    from core.bench import HeadSet, Prompt, benchmark
+    from core.decoder import DecodeConfig
+    from core.profile import CostProfile
+    import core.decoder
+    from tests.tiny import tiny_base, tiny_heads
+
+    base = tiny_base("llama")
+    profile = CostProfile(sizes=[1, 2, 64], ms=[20.0, 22.0, 46.8])
+    monkeypatch.setattr(core.decoder, "verify_profile", lambda base: profile)
+    rows = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")],
+                     ["ar", "dynamic:auto"], DecodeConfig(max_new_tokens=20, record_texts=False))
+    auto = next(r for r in rows if r.strategy == "dynamic:auto")
+    assert len(auto.step_nodes) == len(auto.step_tokens) == len(auto.step_verify_ms) == len(auto.step_state) \
+        == auto.steps
+    assert sum(auto.step_tokens) + 1 == auto.new_tokens  # the prefill emits the first token
+    assert set(auto.step_state) <= {"probing", "backing off", "exploring", "normal"} and "probing" in auto.step_state
+    assert all(s == "" for s in next(r for r in rows if r.strategy == "ar").step_state)
+    payload = json.loads(json.dumps({"config": {"strategies": ["ar", "dynamic:auto"], "dtype": "fp32",
+                                                "max_new_tokens": 20, "temperature": 0.0, "rule": "greedy"},
+                                     "rows": [asdict(r) for r in rows]}))
+    back = [BenchRow(**row) for row in payload["rows"]]
+    assert back == rows

@@ -509,3 +509,19 @@ def test_speed_card_says_how_the_run_compares_with_plain_decoding():
                                vs_plain_basis="this run is plain decoding: the yardstick"))
     assert "× plain" not in page and "the yardstick" in page and "This setting" not in page
     assert PLOT_WIDTH_PX >= 900
+
+
+def test_step_trace_figure_draws_every_step_of_the_adaptive_rows():
+    from viz.bench_plot import step_trace_figure, stepped_strategies
+    rows = [{"strategy": "ar", "prompt_id": "1", "step_nodes": [0, 0], "step_tokens": [1, 1],
+             "step_verify_ms": [20.0, 20.0], "step_state": ["", ""]}]
+    for pid in ("1", "2"):
+        rows.append({"strategy": "dynamic:auto", "prompt_id": pid, "step_nodes": [0, 5, 9, 0],
+                     "step_tokens": [1, 2, 3, 1], "step_verify_ms": [20.0, 25.0, 30.0, 20.0],
+                     "step_state": ["normal", "probing", "normal", "backing off"]})
+    result = {"rows": rows}
+    assert stepped_strategies(result) == ["dynamic:auto"]
+    figure = step_trace_figure(result, "dynamic:auto")
+    drawn = sum(len(trace.x) for trace in figure.data)
+    assert drawn == 8  # every step of both prompts, none of the plain run's
+    assert {trace.name for trace in figure.data} == {"normal", "probing", "backing off"}

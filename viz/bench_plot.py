@@ -43,6 +43,43 @@ def bench_figure(result: dict, title: str = "") -> go.Figure:
     return figure
 
 
+STATE_COLOURS = {"normal": "#4c6ef5", "probing": "#fab005", "backing off": "#adb5bd", "exploring": "#e64980",
+                 "": "#4c6ef5"}
+
+
+def stepped_strategies(result: dict) -> list[str]:
+    """Strategies whose rows carry a controller state per step (the adaptive ones)."""
+    return list(dict.fromkeys(row["strategy"] for row in result.get("rows", []) if any(row.get("step_state", []))))
+
+
+def step_trace_figure(result: dict, strategy: str) -> go.Figure:
+    """Per prompt (one row each), per step: a marker sized by the nodes verified and coloured by
+    the controller's state (normal, probing, backing off, exploring); hover: tokens and verify ms."""
+    rows = [row for row in result.get("rows", []) if row["strategy"] == strategy and row.get("step_state")]
+    figure = go.Figure()
+    for state, colour in STATE_COLOURS.items():
+        if not state:
+            continue
+        xs, ys, sizes, texts = [], [], [], []
+        for row in rows:
+            for step, (nodes, tokens, ms, seen) in enumerate(zip(row["step_nodes"], row["step_tokens"],
+                                                                 row["step_verify_ms"], row["step_state"])):
+                if seen == state:
+                    xs.append(step)
+                    ys.append(f"prompt {row['prompt_id']}")
+                    sizes.append(4 + 2.2 * nodes ** 0.5)
+                    texts.append(f"step {step}: {nodes} nodes, {tokens} tokens, verify {ms:.0f} ms")
+        if xs:
+            figure.add_scatter(x=xs, y=ys, mode="markers", name=state, text=texts, hoverinfo="text",
+                               marker={"color": colour, "size": sizes, "line": {"width": 0}})
+    figure.update_layout(title={"text": f"{strategy}: tree size (marker area) and controller state per step",
+                                "y": 0.98, "yanchor": "top"},
+                         xaxis_title="step", height=max(260, 60 + 26 * len(rows)),
+                         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
+                         margin=dict(t=80, b=50, l=110, r=20))
+    return figure
+
+
 PROMPT_SETS = {"mt_bench": "MT-Bench", "spec_mix": "Spec mix (translation, summaries, RAG, math, QA, extraction, code)",
                "adversarial": "Adversarial prompts"}
 
