@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,9 @@ class Matmul:
         rows = x.numel() // x.shape[-1]
         kernel = self.kernels.get(_bucket(rows), "linear")
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
-        if kernel == "mkldnn":
+        if kernel == "split" and rows == 1:
+            out = self._split_gemv(flat[0])[None]  # [1, out]
+        elif kernel == "mkldnn":
             out = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), self.packed, self.bias).to_dense()
         elif kernel == "wxt":
             # transposed back into a row-major copy: attention's fast kernel needs contiguous heads
@@ -88,6 +91,17 @@ class Matmul:
             out = F.linear(flat, self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
+    def _split_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """One row: the upper and lower halves of the weight multiplied at once, the lower one on a
+        worker thread (torch releases the GIL). Why: on a 2-core CPU without AVX512 the library GEMV
+        streamed a weight from memory at about 8 GB/s of the 20 the machine reads; two halves
+        in flight at once read 13-14 GB/s."""
+        half = self.weight.shape[0] // 2
+        lower = _GEMV_POOL.submit(torch.mv, self.weight[half:], x)
+        upper = torch.mv(self.weight[:half], x)  # [half]
+        out = torch.cat([upper, lower.result()])  # [out]
+        return out + self.bias if self.bias is not None else out
+
     def pack(self) -> None:
         if self.packed is None:
             self.packed = self.weight.to_mkldnn()
@@ -95,6 +109,10 @@ class Matmul:
     @property
     def bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+# one worker for the split GEMV: a process-wide, stateless resource like torch's own thread pool
+_GEMV_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lean-gemv")
 
 
 def _bucket(rows: int) -> int:
@@ -407,7 +425,7 @@ class LeanLlama:
         from core.model import cpu_name
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else cpu_name()
         shapes = [tuple(m.weight.shape) for m in self.matmuls()[:4]] + [tuple(self.lm_head.weight.shape)]
-        text = json.dumps([device, torch.__version__, torch.get_num_threads(), str(self.dtype), len(self.layers),
+        text = json.dumps(["per-role kernels", device, torch.__version__, torch.get_num_threads(), str(self.dtype), len(self.layers),
                            shapes])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -417,25 +435,36 @@ class LeanLlama:
         path = folder / f"{self.kernel_key()}.json"
         if path.exists():
             saved = json.loads(path.read_text())
-            kernels = {int(bucket): kernel for bucket, kernel in saved["kernels"].items()}
-            if set(kernels) == set(ROW_BUCKETS):
-                self.apply_kernels(kernels)
-                self.kernel_report = {int(b): t for b, t in saved.get("ms", {}).items()}
+            kernels = {role: {int(bucket): kernel for bucket, kernel in chosen.items()}
+                       for role, chosen in saved.get("kernels", {}).items()}
+            if set(kernels) == set(self.roles()) and all(set(k) == set(ROW_BUCKETS) for k in kernels.values()):
+                for role, chosen in kernels.items():
+                    self.apply_kernels(chosen, role)
+                self.kernel_report = saved.get("ms", {})
                 return
         report = self.choose_kernels()
-        chosen = {bucket: min(times, key=times.get) for bucket, times in report.items()}
+        chosen = {role: {bucket: min(times, key=times.get) for bucket, times in by_bucket.items()}
+                  for role, by_bucket in report.items()}
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"kernels": chosen, "ms": report}, indent=1))
         except OSError as error:
             log.warning("could not cache the kernel choice in %s: %s", folder, error)
 
-    def apply_kernels(self, kernels: dict[int, str]) -> None:
-        """Use `kernels` (row bucket -> kernel name) for every projection."""
-        matmuls = self.matmuls()
+    def roles(self) -> dict[str, list[Matmul]]:
+        """The projections by role (each role's weights share a shape): q/k/v, output, gate/up,
+        down, and the vocabulary projection."""
+        return {"qkv": [layer.qkv for layer in self.layers], "out": [layer.out for layer in self.layers],
+                "gate_up": [layer.gate_up for layer in self.layers], "down": [layer.down for layer in self.layers],
+                "lm_head": [self.lm_head]}
+
+    def apply_kernels(self, kernels: dict[int, str], role: str | None = None) -> None:
+        """Use `kernels` (row bucket -> kernel name) for the projections of `role` (None: all); the
+        mkldnn copy of a weight is kept only where some bucket uses it."""
+        matmuls = self.roles()[role] if role else self.matmuls()
         for m in matmuls:
             m.kernels.update(kernels)
-            if "mkldnn" in kernels.values():
+            if "mkldnn" in m.kernels.values():
                 m.pack()
             else:
                 m.packed = None
@@ -447,24 +476,29 @@ class LeanLlama:
         """Bytes a forward reads from the weights (every projection once; the embedding row is negligible)."""
         return sum(m.bytes for m in self.matmuls())
 
-    def choose_kernels(self, repeats: int = 2) -> dict[int, dict[str, float]]:
-        """For each row bucket, time every available kernel over all the model's projections
-        (the weights come from memory, as in a forward) and keep the fastest. Returns the
-        measured ms per bucket and kernel (also kept in `kernel_report`)."""
+    def choose_kernels(self, repeats: int = 2) -> dict[str, dict[int, dict[str, float]]]:
+        """For each role and row bucket, time every available kernel over that role's projections
+        in all layers (the weights come from memory, as in a forward) and keep the fastest: the
+        best GEMV for a square weight is not the best for the vocabulary projection. Returns the
+        measured ms per role, bucket and kernel (also kept in `kernel_report`)."""
         candidates = ["linear", "wxt"]
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available() and self.dtype == torch.float32:
             candidates.append("mkldnn")
-        matmuls = self.matmuls()
         if "mkldnn" in candidates:
-            for m in matmuls:
+            for m in self.matmuls():
                 m.pack()
-        report: dict[int, dict[str, float]] = {}
-        for bucket, rows in zip(ROW_BUCKETS, (1, 8, 32, 64)):
-            report[bucket] = {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats) for kernel in candidates}
-        # the mkldnn copies are dropped unless chosen somewhere
-        self.apply_kernels({bucket: min(times, key=times.get) for bucket, times in report.items()})
+        report: dict[str, dict[int, dict[str, float]]] = {}
+        for role, matmuls in self.roles().items():
+            report[role] = {}
+            for bucket, rows in zip(ROW_BUCKETS, (1, 8, 32, 64)):
+                kernels = candidates + (["split"] if rows == 1 and self.device.type == "cpu" else [])
+                report[role][bucket] = {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats)
+                                        for kernel in kernels}
+        for role, by_bucket in report.items():
+            self.apply_kernels({bucket: min(times, key=times.get) for bucket, times in by_bucket.items()}, role)
         self.kernel_report = report
-        log.info("lean forward kernels: %s", {b: min(t, key=t.get) for b, t in report.items()})
+        log.info("lean forward kernels: %s", {role: {b: min(t, key=t.get) for b, t in by_bucket.items()}
+                                               for role, by_bucket in report.items()})
         return report
 
 

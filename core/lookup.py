@@ -39,7 +39,8 @@ def lookup_drafts(sequence: Sequence[int], max_tokens: int, max_chains: int,
                   max_ngram: int = MAX_NGRAM) -> list[LookupDraft]:
     """Up to `max_chains` continuations of earlier occurrences of the text's last n-gram, with
     distinct first tokens: the longest match first, then the latest (recent text predicts the
-    next tokens best); the others are what followed the same n-gram elsewhere (branches).
+    next tokens best); the others are what followed the same n-gram elsewhere (branches). A
+    continuation that reaches the end of the text goes on periodically (`_continuation`).
 
     `sequence` is the whole text so far (prompt and output, ending with the token the drafts
     follow). Empty when no n-gram of 1..max_ngram tokens recurs or max_tokens is 0.
@@ -58,13 +59,29 @@ def lookup_drafts(sequence: Sequence[int], max_tokens: int, max_chains: int,
     drafts: list[LookupDraft] = []
     firsts: set[int] = set()
     for length, end in sorted(matches, key=lambda m: (-m[0], -m[1])):
-        tokens = list(sequence[end + 1:end + 1 + max_tokens])
+        tokens = _continuation(sequence, end, max_tokens)
         if tokens and tokens[0] not in firsts:
             firsts.add(tokens[0])
             drafts.append(LookupDraft(tokens=tokens, ngram=length))
             if len(drafts) == max_chains:
                 break
     return drafts
+
+
+def _continuation(sequence: Sequence[int], end: int, max_tokens: int) -> list[int]:
+    """The `max_tokens` tokens after position `end`, copied as if the copy went on writing: where
+    the text runs out, the copy continues from what it has just copied (period size-1-end).
+
+    Why: a match close to the end (a repetition loop, a list that repeats its pattern) left a
+    chain of only a few tokens, while the loop predicts many more; transformers' prompt lookup
+    takes the earliest match, which has a full continuation, and was ahead of ours on such text."""
+    extended = list(sequence)
+    tokens = []
+    for offset in range(max_tokens):
+        token = extended[end + 1 + offset]  # always inside: `extended` grows by one per copied token
+        tokens.append(token)
+        extended.append(token)
+    return tokens
 
 
 def agreeing_prefix(chain: Sequence[int], accepted_tokens: Sequence[int]) -> int:

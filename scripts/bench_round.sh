@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# This round's benchmarks (about 25 min on 2 cores): both drafter families, alone and with prompt
-# lookup, beside plain decoding and transformers' prompt lookup, on MT-Bench (every 4th prompt),
-# the second set (every 6th) and the collapse set (every 4th), in the precision this machine
-# decodes fastest in (core.model.default_precision), plus fp32 where that is another one.
+# This round's benchmarks: both drafter families, alone and with prompt lookup, beside plain
+# decoding on the lean forward and on transformers' forward (`ar@hf`: the engine before/after in one
+# run), transformers' own generate and its prompt lookup, on MT-Bench (every STRIDE-th prompt),
+# the second set and the collapse set, in the precision this machine decodes fastest in
+# (core.model.default_precision), plus fp32 where that is another one. SETS picks the sets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 PY=.venv/bin/python
 OUT=assets/results
-ROUND=${ROUND:-round7}
-MAIN=ar,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,hf:prompt_lookup
+ROUND=${ROUND:-round8}
+STRIDE=${STRIDE:-8}
+SETS=${SETS:-"mtbench specmix collapse"}
+MAIN=ar,ar@hf,hf:greedy,dynamic:auto,dynamic:auto@hf,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,hf:prompt_lookup
 DEFAULT=$($PY -c "from core.model import default_precision; print(default_precision())")
 DTYPES=$DEFAULT; [ "$DEFAULT" != fp32 ] && DTYPES="$DEFAULT fp32"
 for DTYPE in $DTYPES; do
-  $PY -m core.bench --prompts assets/data/mt_bench.jsonl --stride 4 --max-new-tokens 128 --dtype $DTYPE \
-      --strategies $MAIN --out $OUT/bench_${ROUND}_mtbench_$DTYPE.json
-  $PY -m core.bench --prompts assets/data/spec_mix.jsonl --stride 6 --max-new-tokens 128 --dtype $DTYPE \
-      --strategies $MAIN --out $OUT/bench_${ROUND}_specmix_$DTYPE.json
-  $PY -m core.bench --prompts assets/data/adversarial.jsonl --stride 4 --max-new-tokens 64 --dtype $DTYPE \
-      --strategies ar,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup --out $OUT/bench_${ROUND}_collapse_$DTYPE.json
+  for SET in $SETS; do
+    case $SET in
+      mtbench) FILE=mt_bench.jsonl; ARGS="--stride $STRIDE --max-new-tokens 128" ;;
+      specmix) FILE=spec_mix.jsonl; ARGS="--stride $((STRIDE * 3 / 2)) --max-new-tokens 128" ;;
+      collapse) FILE=adversarial.jsonl; ARGS="--stride 4 --max-new-tokens 64" ;;
+    esac
+    $PY -m core.bench --prompts assets/data/$FILE $ARGS --dtype $DTYPE --strategies $MAIN \
+        --out $OUT/bench_${ROUND}_${SET}_$DTYPE.json
+  done
 done

@@ -73,7 +73,7 @@ def test_every_kernel_gives_the_same_result():
     engine: LeanLlama = lean.engine
     ids = torch.arange(5, 5 + 40)
     results = {}
-    for kernel in ("linear", "wxt", "mkldnn"):
+    for kernel in ("linear", "wxt", "mkldnn", "split"):
         if kernel == "mkldnn" and not torch.backends.mkldnn.is_available():
             continue
         engine.apply_kernels({bucket: kernel for bucket in ROW_BUCKETS})
@@ -84,21 +84,23 @@ def test_every_kernel_gives_the_same_result():
             tree = engine.forward(ids[:5], torch.arange(41, 46), cache)  # 5 rows
         results[kernel] = torch.cat([hidden, step, tree])
     first = next(iter(results.values()))
-    assert len(results) >= 2
+    assert len(results) >= 3
     assert all(torch.allclose(first, other, atol=ATOL) for other in results.values())
 
 
-def test_kernel_choice_is_measured_once_and_cached(tmp_path):
+def test_kernel_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     lean, _ = _pair()
     engine = lean.engine
     engine.load_or_choose_kernels(tmp_path)
     saved = list(tmp_path.glob("*.json"))
     assert len(saved) == 1
-    chosen = {bucket: engine.lm_head.kernels[bucket] for bucket in ROW_BUCKETS}
-    assert set(engine.kernel_report) == set(ROW_BUCKETS)
+    chosen = [dict(m.kernels) for m in engine.matmuls()]
+    assert set(engine.kernel_report) == {"qkv", "out", "gate_up", "down", "lm_head"}
+    assert all(set(by_bucket) == set(ROW_BUCKETS) for by_bucket in engine.kernel_report.values())
     fresh = LeanLlama(lean.model)
+    monkeypatch.setattr(LeanLlama, "choose_kernels", lambda self: pytest.fail("measured twice"))
     fresh.load_or_choose_kernels(tmp_path)  # read back, not re-measured
-    assert {bucket: fresh.lm_head.kernels[bucket] for bucket in ROW_BUCKETS} == chosen
+    assert [dict(m.kernels) for m in fresh.matmuls()] == chosen
 
 
 def _dynamic_snapshot(cache: DynamicCache) -> torch.Tensor:

@@ -25,11 +25,20 @@ def test_draft_copies_after_the_latest_longest_match():
     sequence = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
     draft = lookup_draft(sequence, max_tokens=3)
     assert draft == LookupDraft(tokens=[2, 6, 7], ngram=2)  # "6 7" last seen at 6..7, then 2 6 7
-    assert lookup_draft([1, 2, 3, 1, 2], max_tokens=10) == LookupDraft(tokens=[3, 1, 2], ngram=2)
+    # the copy reaches the end of the text and goes on with what it copied: the loop continues
+    assert lookup_draft([1, 2, 3, 1, 2], max_tokens=10) == LookupDraft(tokens=[3, 1, 2, 3, 1, 2, 3, 1, 2, 3], ngram=2)
     assert lookup_draft([4, 9, 4], max_tokens=2) == LookupDraft(tokens=[9, 4], ngram=1)
     assert lookup_draft([1, 2, 3], max_tokens=4) is None  # nothing recurs
     assert lookup_draft([1, 2, 1], max_tokens=0) is None
     assert lookup_draft([7], max_tokens=3) is None
+
+
+def test_a_repetition_loop_gives_a_full_length_chain():
+    """A model caught in a loop of period 3: the latest match is 3 tokens back, yet the chain is
+    as long as asked (transformers' earliest-match rule had that advantage before)."""
+    loop = [7, 8, 9] * 4 + [7]
+    draft = lookup_draft(loop, max_tokens=10)
+    assert draft.tokens == [8, 9, 7, 8, 9, 7, 8, 9, 7, 8] and draft.ngram == 3
 
 
 def test_draft_matches_a_brute_force_search():
@@ -42,7 +51,10 @@ def test_draft_matches_a_brute_force_search():
                 continue
             starts = [s for s in range(len(text) - n) if text[s:s + n] == text[-n:]]
             if starts:
-                expected = LookupDraft(tokens=text[starts[-1] + n:starts[-1] + n + 4], ngram=n)
+                copied = list(text)  # the copy of a match near the end goes on periodically
+                for offset in range(4):
+                    copied.append(copied[starts[-1] + n + offset])
+                expected = LookupDraft(tokens=copied[len(text):], ngram=n)
                 break
         assert lookup_draft(text, max_tokens=4) == expected, text
 
