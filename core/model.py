@@ -279,30 +279,37 @@ class PrecisionChoice:
     """Which precision a first run uses here, and the measurement that decided it."""
 
     dtype: str  # "fp32" or "bf16"
-    fp32_ms: float  # one-row products over the shipped model's layer shapes, median
+    fp32_ms: float  # one-row products over the shipped model's layer shapes (a plain step's), median
     bf16_ms: float
     device: str
+    fp32_tree_ms: float = 0.0  # the same products on 8 rows (a small tree verify's)
+    bf16_tree_ms: float = 0.0
 
     @property
     def speedup(self) -> float:
         return self.fp32_ms / self.bf16_ms if self.bf16_ms else 0.0
 
+    @property
+    def tree_speedup(self) -> float:
+        return self.fp32_tree_ms / self.bf16_tree_ms if self.bf16_tree_ms else 0.0
+
     def describe(self) -> str:
         """One line for the page and the benchmark output."""
         if self.device == "cuda":
             return "bf16 (a GPU)"
-        verdict = "faster, so bf16" if self.dtype == "bf16" else f"below the {BF16_MIN_SPEEDUP}x needed, so fp32 (exact)"
+        verdict = ("so bf16" if self.dtype == "bf16" else
+                   f"so fp32 (exact; bf16 needs >= {BF16_MIN_SPEEDUP}x on the plain step and >= 1x on trees)")
         return (f"{self.dtype}: on this CPU bf16 measured {self.speedup:.2f}x fp32 on a plain step's products "
-                f"({self.bf16_ms:.1f} vs {self.fp32_ms:.1f} ms), {verdict}")
+                f"and {self.tree_speedup:.2f}x on an 8-node tree's, {verdict}")
 
 
-def _time_products(dtype: torch.dtype, layers: int = 12, repeats: int = 5) -> float:
-    """Median ms of one row through `layers` layers of the shipped model's projection shapes (random
-    weights, more than a CPU cache holds, so they stream from memory as in a real step)."""
+def _time_products(dtype: torch.dtype, rows: int = 1, layers: int = 12, repeats: int = 5) -> float:
+    """Median ms of `rows` rows through `layers` layers of the shipped model's projection shapes
+    (random weights, more than a CPU cache holds, so they stream from memory as in a real step)."""
     shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers) for shape in shapes]
-    inputs = {width: torch.randn(1, width).to(dtype) for width in (576, 1536)}
+    inputs = {width: torch.randn(rows, width).to(dtype) for width in (576, 1536)}
     samples = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -316,11 +323,14 @@ def _time_products(dtype: torch.dtype, layers: int = 12, repeats: int = 5) -> fl
 @functools.lru_cache(maxsize=1)
 def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     """The default precision, decided by measurement (not by a CPU flag) and cached on disk per CPU
-    and torch version: bf16 on a GPU; on a CPU bf16 only if it is >= BF16_MIN_SPEEDUP x faster."""
+    and torch version: bf16 on a GPU; on a CPU bf16 only if a plain step's products run >=
+    BF16_MIN_SPEEDUP x faster and a small tree's no slower (a lab of trees must not get slower
+    trees: on an AVX2 CPU a bf16 plain step measured 1.36x faster, an 8-node verify 2.4x slower)."""
     if torch.cuda.is_available():
         return PrecisionChoice(dtype="bf16", fp32_ms=0.0, bf16_ms=0.0, device="cuda")
     folder = cache_dir or CACHE_DIR / "precision"
-    key = hashlib.sha256(f"{_cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"plain+tree|{_cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}".encode()
+                         ).hexdigest()[:16]
     path = folder / f"{key}.json"
     if path.exists():
         try:
@@ -328,8 +338,10 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
         except (TypeError, ValueError):
             log.warning("ignoring an unreadable precision measurement in %s", path)
     fp32_ms, bf16_ms = _time_products(torch.float32), _time_products(torch.bfloat16)
-    dtype = "bf16" if fp32_ms >= BF16_MIN_SPEEDUP * bf16_ms else "fp32"
-    choice = PrecisionChoice(dtype=dtype, fp32_ms=round(fp32_ms, 2), bf16_ms=round(bf16_ms, 2), device="cpu")
+    fp32_tree_ms, bf16_tree_ms = _time_products(torch.float32, rows=8), _time_products(torch.bfloat16, rows=8)
+    fast = fp32_ms >= BF16_MIN_SPEEDUP * bf16_ms and fp32_tree_ms >= bf16_tree_ms
+    choice = PrecisionChoice(dtype="bf16" if fast else "fp32", fp32_ms=round(fp32_ms, 2), bf16_ms=round(bf16_ms, 2),
+                             device="cpu", fp32_tree_ms=round(fp32_tree_ms, 2), bf16_tree_ms=round(bf16_tree_ms, 2))
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(choice)))

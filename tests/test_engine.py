@@ -193,15 +193,20 @@ def test_continuous_batching_answers_what_one_by_one_greedy_answers():
     assert len(set(lengths)) > 1 or order != sorted(order)  # rows really finished at different times
 
 
-@pytest.mark.parametrize("fp32_ms, bf16_ms, expected", [(10.0, 5.0, "bf16"), (10.0, 9.0, "fp32"), (10.0, 50.0, "fp32")])
-def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkeypatch, fp32_ms, bf16_ms, expected):
+@pytest.mark.parametrize("fp32_ms, bf16_ms, tree_ratio, expected", [
+    (10.0, 5.0, 1.2, "bf16"), (10.0, 9.0, 1.2, "fp32"), (10.0, 50.0, 1.2, "fp32"),
+    (10.0, 5.0, 0.4, "fp32"),  # a faster plain step but slower trees (AVX2 without bf16 instructions)
+])
+def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkeypatch, fp32_ms, bf16_ms, tree_ratio,
+                                                                 expected):
     import core.model
-    timings = {torch.float32: fp32_ms, torch.bfloat16: bf16_ms}
+    timings = {(torch.float32, 1): fp32_ms, (torch.bfloat16, 1): bf16_ms,
+               (torch.float32, 8): 20.0, (torch.bfloat16, 8): 20.0 / tree_ratio}
     monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(core.model, "_time_products", lambda dtype: timings[dtype])
+    monkeypatch.setattr(core.model, "_time_products", lambda dtype, rows=1: timings[dtype, rows])
     choice = core.model.precision_choice.__wrapped__(tmp_path)
     assert choice.dtype == expected and expected in choice.describe()
-    monkeypatch.setattr(core.model, "_time_products", lambda dtype: pytest.fail("measured twice"))
+    monkeypatch.setattr(core.model, "_time_products", lambda dtype, rows=1: pytest.fail("measured twice"))
     assert core.model.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
 
 
