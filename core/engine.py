@@ -328,12 +328,17 @@ class LeanLlama:
         qkv_bias = None
         if projections[0].bias is not None:
             qkv_bias = torch.cat([p.bias for p in projections])  # [(heads + 2 kv) * d]
+        qkv = torch.cat([p.weight.detach() for p in projections])  # [(heads + 2 kv) * d, H]
+        gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])  # [2 I, H]
+        # the model's own projections become views of the fused weights: same values, one copy in memory
+        _share_rows(projections, qkv)
+        _share_rows((mlp.gate_proj, mlp.up_proj), gate_up)
         return FusedLayer(
             attn_norm=layer.input_layernorm.weight,
-            qkv=Matmul(torch.cat([p.weight for p in projections]), qkv_bias),
+            qkv=Matmul(qkv, qkv_bias),
             out=Matmul(attention.o_proj.weight, None),
             mlp_norm=layer.post_attention_layernorm.weight,
-            gate_up=Matmul(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None),
+            gate_up=Matmul(gate_up, None),
             down=Matmul(mlp.down_proj.weight, None),
         )
 
@@ -397,12 +402,19 @@ class LeanLlama:
         cos = self.cos[positions][:, :, None]  # [B, n, 1, d]
         sin = self.sin[positions][:, :, None]
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, F.rms_norm(x, (self.hidden_size,), layer.attn_norm, self.eps),
+            x = x + self._attention(index, layer, self._norm(x, layer.attn_norm),
                                     cos, sin, kv, mask)
-            h = F.rms_norm(x, (self.hidden_size,), layer.mlp_norm, self.eps)
+            h = self._norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [B, n, I] each
             x = x + layer.down(F.silu(gate) * up)
-        return F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)  # [B, n, H]
+        return self._norm(x, self.final_norm)  # [B, n, H]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMS norm as transformers rounds it: normalised in fp32, cast back, then scaled (in fp32
+        all of that is one fused op)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+        return weight * F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype)
 
     def _attention(self, index: int, layer: FusedLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv, mask: torch.Tensor | None) -> torch.Tensor:
@@ -532,6 +544,16 @@ def _time_kernel(matmuls: list[Matmul], kernel: str, bucket: int, rows: int, rep
                 m.kernels[bucket] = old
     samples = sorted(samples[1:])
     return samples[len(samples) // 2] * 1e3
+
+
+def _share_rows(linears: tuple[nn.Linear, ...], fused: torch.Tensor) -> None:
+    """Point each linear's weight at its block of rows of `fused` (a view: no second copy)."""
+    start = 0
+    with torch.no_grad():
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+            start += rows
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -444,4 +444,6 @@ def load_base_model(config: ModelConfig = ModelConfig()) -> BaseModel:
         tokenizer = AutoTokenizer.from_pretrained(config.name)
         source = config.name
     prepare_model(model, device, dtype)
-    return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{source}, {config.dtype}, {device}")
+    base = BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{source}, {config.dtype}, {device}")
+    _ = base.engine  # built (and its kernels chosen) at load, not on the first request
+    return base

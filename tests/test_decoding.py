@@ -124,7 +124,8 @@ def test_commit_leaves_plain_cache(base_fp32, shipped_heads, mt_bench_prompts):
             # hidden of the last committed token -> next root logits
             step_logits = base_fp32.lm_head(session.last_hidden).float()
         assert torch.allclose(step_logits, plain.logits[0, -1].float(), atol=1e-4)
-        assert torch.allclose(session.cache.layers[5].keys, plain_keys, atol=1e-4)
+        cache = session.cache  # the lean forward's static cache (the shipped model is a Llama)
+        assert torch.allclose(cache.keys[5, :, :, :cache.get_seq_length()], plain_keys, atol=1e-4)
         assert session.root_token == emitted[-1]
 
 
