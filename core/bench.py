@@ -90,21 +90,25 @@ def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0
     return prompts[:limit] if limit else prompts
 
 
-def engine_of(spec: str) -> str | None:
-    """The forward a spec asks for with an `@lean` / `@hf` suffix (None: the run's default)."""
-    _, at, engine = spec.rpartition("@")
+def split_engine(spec: str) -> tuple[str, str | None]:
+    """A spec without its `@lean` / `@hf` suffix, and the forward it asks for (None: the run's default)."""
+    strategy, at, engine = spec.rpartition("@")
     if not at:
-        return None
+        return spec, None
     if engine not in ("lean", "hf"):
         raise ValueError(f"unknown forward {engine!r} in {spec!r}: use @lean or @hf")
-    return engine
+    return strategy, engine
+
+
+def engine_of(spec: str) -> str | None:
+    """The forward a spec asks for with an `@lean` / `@hf` suffix (None: the run's default)."""
+    return split_engine(spec)[1]
 
 
 def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
     """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers.
     An `@hf` / `@lean` suffix (e.g. `ar@hf`) runs the strategy on that forward (see `engine_of`)."""
-    engine_of(spec)  # validates the suffix
-    kind, _, arg = spec.rpartition("@")[0].partition(":") if "@" in spec else spec.partition(":")
+    kind, _, arg = split_engine(spec)[0].partition(":")
     if kind == "ar":
         return replace(base_config, strategy=AUTOREGRESSIVE)
     if kind == "fixed":

@@ -111,21 +111,22 @@ class AnswerFeatures:
 def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
     """Answers (token ids, up to and including EOS) to `prompts`, in order."""
     sampling = SamplingConfig(temperature=0.9, top_p=0.95) if sample else SamplingConfig()
-    items = [(index, base.chat_ids(prompt)) for index, prompt in enumerate(prompts)]
-    answers: dict[int, list[int]] = {}
-    for done in ContinuousBatcher(base, max_new_tokens, sampling=sampling, keep_features=False).run(items):
-        answers[done.key] = done.answer
-    return [answers[index] for index in range(len(prompts))]
+    batcher = ContinuousBatcher(base, max_new_tokens, sampling=sampling, keep_features=False)
+    return [done.answer for done in _in_order(base, prompts, batcher)]
 
 
 def generate_with_features(base: BaseModel, prompts: list[str],
                            max_new_tokens: int) -> tuple[list[list[int]], list[AnswerFeatures]]:
     """Greedy answers to `prompts` and, per answer, the hidden states and teacher top-k the
     model computed while writing it (training needs no second forward over the answers)."""
-    items = [(index, base.chat_ids(prompt)) for index, prompt in enumerate(prompts)]
-    finished = {done.key: done for done in ContinuousBatcher(base, max_new_tokens).run(items)}
-    ordered = [finished[index] for index in range(len(prompts))]
-    return [done.answer for done in ordered], [done.features for done in ordered]
+    finished = _in_order(base, prompts, ContinuousBatcher(base, max_new_tokens))
+    return [done.answer for done in finished], [done.features for done in finished]
+
+
+def _in_order(base: BaseModel, prompts: list[str], batcher: "ContinuousBatcher") -> list["Finished"]:
+    """Every prompt answered by `batcher` (chat template applied), in the prompts' order."""
+    finished = {done.key: done for done in batcher.run([(i, base.chat_ids(p)) for i, p in enumerate(prompts)])}
+    return [finished[index] for index in range(len(prompts))]
 
 
 @dataclass
@@ -195,9 +196,8 @@ class ContinuousBatcher:
                 last[index] = token
                 done = self._append(slots, index, token)
                 if done is not None:
-                    cache.lengths[index] = 0
                     yield done
-            for index in range(count):  # an idle row still runs (at the tail): keep it in bounds
+            for index in range(count):  # a free or idle row still runs (at the tail): keep it in bounds
                 if slots[index] is None:
                     cache.lengths[index] = 0
 

@@ -4,7 +4,8 @@ transformers' forward is general and readable, and on a CPU most of a decoding s
 what surrounds the matrix products: seven separate projections per layer, a cache that
 re-concatenates every layer's keys and values each step, grouped K/V heads repeated three times
 for a masked (tree) verify. This module runs the same maths on the same weights (read from a
-loaded transformers model, never changed) in fewer, larger operations:
+loaded transformers model, whose q/k/v and gate/up weights become views of the fused copies:
+same values, one copy in memory) in fewer, larger operations:
 
 - q/k/v in one product and gate/up in one (`FusedLayer`), rms-norm in one fused op;
 - a preallocated cache `[layers, batch, kv_heads, capacity, head_dim]` written in place
@@ -105,10 +106,6 @@ class Matmul:
     def pack(self) -> None:
         if self.packed is None:
             self.packed = self.weight.to_mkldnn()
-
-    @property
-    def bytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
 
 # one worker for the split GEMV: a process-wide, stateless resource like torch's own thread pool
@@ -216,10 +213,6 @@ class SlotCache:
             self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * slots
 
-    @property
-    def capacity(self) -> int:
-        return int(self.keys.shape[3])
-
     def slot(self, index: int) -> "SlotView":
         """One slot as a single-sequence cache (for its prefill)."""
         return SlotView(self, index)
@@ -319,7 +312,7 @@ class LeanLlama:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.cos, self.sin = self._rope_tables(inner.rotary_emb)  # [P, d] each
-        self.kernel_report: dict[int, dict[str, float]] = {}
+        self.kernel_report: dict[str, dict[int, dict[str, float]]] = {}  # role -> bucket -> kernel -> ms
 
     @staticmethod
     def _fuse(layer: nn.Module) -> FusedLayer:
@@ -483,10 +476,6 @@ class LeanLlama:
 
     def matmuls(self) -> list[Matmul]:
         return [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [self.lm_head]
-
-    def weight_bytes(self) -> int:
-        """Bytes a forward reads from the weights (every projection once; the embedding row is negligible)."""
-        return sum(m.bytes for m in self.matmuls())
 
     def choose_kernels(self, repeats: int = 2) -> dict[str, dict[int, dict[str, float]]]:
         """For each role and row bucket, time every available kernel over that role's projections

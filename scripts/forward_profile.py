@@ -52,16 +52,11 @@ def weight_read_ms(base, repeats: int) -> float:
     """Median ms to stream every weight a forward reads once (a sum over each tensor): the memory floor."""
     tensors = [p for name, p in base.model.named_parameters() if "embed_tokens" not in name]
     tensors.append(base.lm_head.weight)  # tied: read again as the projection
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for tensor in tensors:
-            tensor.sum()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times[1:])
+    return _median_ms(lambda: [tensor.sum() for tensor in tensors], repeats)
 
 
 def _median_ms(fn, repeats: int) -> float:
+    """Median wall ms of `repeats` calls of `fn` after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
