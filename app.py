@@ -667,11 +667,11 @@ CURRENT_ROUND = "round8"  # the benchmark files of this round (scripts/bench_rou
 
 
 def _benchmark_tab() -> None:
-    """The committed `python -m core.bench` results: this round's summary on one screen (a plot and
+    """The committed `python -m offline.bench` results: this round's summary on one screen (a plot and
     one table per prompt set), every table and earlier round folded below."""
     files = sorted(RESULTS.glob("bench_*.json"), key=lambda path: result_order(path.stem))
     if not files:
-        gr.Markdown("No benchmark results are shipped yet: run `python -m core.bench ... --out assets/results/bench_NAME.json`.")
+        gr.Markdown("No benchmark results are shipped yet: run `python -m offline.bench ... --out assets/results/bench_NAME.json`.")
         return
     current = [path for path in files if CURRENT_ROUND in path.stem]
     earlier = [path for path in files if path not in current]

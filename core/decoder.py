@@ -4,9 +4,9 @@
     while not session.finished:
         record = session.step()      # a StepRecord: everything a viewer needs
 
-A step: drafters propose (`core.drafters`: the Medusa heads, prompt lookup) -> the tree policy
+A step: drafters propose (`core.drafters.interface`: the Medusa heads, prompt lookup) -> the tree policy
 builds one CandidateTree from their candidates (`core.tree_policy`; `dynamic:auto` keeps the
-best prefix, `core.auto`) -> one verify forward over the whole tree with tree attention ->
+best prefix, `core.budget.controller`) -> one verify forward over the whole tree with tree attention ->
 acceptance rule -> KV commit of the accepted path. The root of each tree is the base model's
 own next token (the previous step's bonus token); a step emits the accepted tokens plus the
 bonus token, so the autoregressive step (a tree with only the root) emits exactly one. While
@@ -22,14 +22,14 @@ from typing import Iterator, Sequence
 import torch
 
 from core.accept import AcceptConfig, accept, rows_to_project
-from core.auto import AutoBudget
-from core.datastore import StoreDrafter, TokenStore, default_store
-from core.drafters import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, HydraDrafter, LookupDrafter
-from core.heads import MedusaHeads
-from core.hydra import HYDRA_BEAM, GrownTree, HydraHeads
+from core.budget.controller import AutoBudget
+from core.drafters.datastore import StoreDrafter, TokenStore, default_store
+from core.drafters.interface import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, HydraDrafter, LookupDrafter
+from core.drafters.medusa import MedusaHeads
+from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
-from core.profile import CostProfile, verify_profile
+from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import (AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, STRATEGIES, TREE_STRATEGIES, PhaseTimes,
                           StepRecord, TreeOutcome)
 from core.sampling import next_token
@@ -54,10 +54,10 @@ class DecodeConfig:
     tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
     every dynamic step (for the side-by-side view; costs a second forward, never committed).
     lookup_tokens: dynamic or hydra; when > 0, a prompt-lookup chain of up to this many tokens joins
-    the tree each step (`core.lookup`), and steps that skip the heads still verify it;
+    the tree each step (`core.drafters.lookup`), and steps that skip the heads still verify it;
     `lookup_chains` > 1 adds what followed the same n-gram elsewhere as further branches.
     store_tokens: dynamic or hydra; when > 0, the datastore of the model's own answers proposes up to
-    `store_branches` continuations of up to this many tokens as branches (`core.datastore`).
+    `store_branches` continuations of up to this many tokens as branches (`core.drafters.datastore`).
     """
 
     strategy: str = "dynamic"

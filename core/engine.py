@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.machine import cpu_name
+
 log = logging.getLogger(__name__)
 
 # families whose decoder layer is exactly: rms-norm -> attention (rope, GQA) -> residual -> rms-norm
@@ -427,7 +429,6 @@ class LeanLlama:
     # -- kernel choice --------------------------------------------------------------------------
     def kernel_key(self) -> str:
         """What a kernel choice depends on: the machine, torch, threads, precision and the shapes."""
-        from core.model import cpu_name
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else cpu_name()
         shapes = [tuple(m.weight.shape) for m in self.matmuls()[:4]] + [tuple(self.lm_head.weight.shape)]
         text = json.dumps(["per-role kernels", device, torch.__version__, torch.get_num_threads(), str(self.dtype), len(self.layers),

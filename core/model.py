@@ -14,7 +14,6 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig,
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+from core.machine import cpu_fingerprint
 
 if TYPE_CHECKING:
     from core.engine import LeanLlama, StaticCache
@@ -261,15 +262,6 @@ def _check_full_attention(config: PretrainedConfig) -> None:
                          "DynamicLayer keys and values")
 
 
-def cpu_name() -> str:
-    """The CPU's model name (figures are only comparable on one machine)."""
-    info = Path("/proc/cpuinfo")
-    for line in info.read_text().splitlines() if info.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 # bf16 becomes the default only when it measures at least this much faster than fp32 (fp32 is exact)
 BF16_MIN_SPEEDUP = 1.3
 
@@ -329,7 +321,7 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     if torch.cuda.is_available():
         return PrecisionChoice(dtype="bf16", fp32_ms=0.0, bf16_ms=0.0, device="cuda")
     folder = cache_dir or CACHE_DIR / "precision"
-    key = hashlib.sha256(f"plain+tree|{_cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}".encode()
+    key = hashlib.sha256(f"plain+tree|{cpu_fingerprint()}|{torch.__version__}|{torch.get_num_threads()}".encode()
                          ).hexdigest()[:16]
     path = folder / f"{key}.json"
     if path.exists():
@@ -348,14 +340,6 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     except OSError as error:
         log.warning("could not cache the precision measurement in %s: %s", folder, error)
     return choice
-
-
-def _cpu_flags() -> str:
-    try:
-        return cpu_name() + "|" + next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                                       if line.startswith("flags")), "")
-    except OSError:
-        return cpu_name()
 
 
 def fast_bf16() -> bool:

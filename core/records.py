@@ -12,7 +12,7 @@ from core.tree import CandidateTree
 AUTOREGRESSIVE = "autoregressive"
 FIXED = "fixed"
 DYNAMIC = "dynamic"
-HYDRA = "hydra"  # a tree grown node by node by Hydra heads (core.hydra)
+HYDRA = "hydra"  # a tree grown node by node by Hydra heads (core.drafters.hydra)
 LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (the heads skipped)
 STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, HYDRA)
 TREE_STRATEGIES = (DYNAMIC, HYDRA)  # the strategies that take chains and the adaptive budget
@@ -114,7 +114,7 @@ class StepRecord:
     comparison: TreeOutcome | None = None  # the fixed tree on the same head outputs and context
     head_texts: list[list[str]] = field(default_factory=list)
     top_logits: tuple[float, float] | None = None  # plain steps: the base model's top-1 and top-2 logits
-    controller: str = ""  # dynamic:auto's state when it chose this step (core.auto.AutoBudget.state)
+    controller: str = ""  # dynamic:auto's state when it chose this step (core.budget.controller.AutoBudget.state)
 
     @property
     def top2_gap(self) -> float | None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.drafters import Chain, HeadProposal
-from core.hydra import GrownTree
+from core.drafters.interface import Chain, HeadProposal
+from core.drafters.hydra import GrownTree
 from core.tree import CandidateTree, RankPath, dynamic_tree
 
 

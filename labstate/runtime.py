@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from core.heads import MedusaHeads, default_heads
-from core.hydra import HydraHeads, default_hydra_heads
+from core.drafters.medusa import MedusaHeads, default_heads
+from core.drafters.hydra import HydraHeads, default_hydra_heads
 from core.records import HYDRA
 from core.kvcache import truncate
 from core.model import BaseModel, ModelConfig, load_base_model
-from core.profile import CostProfile, verify_profile
+from core.budget.cost_profile import CostProfile, verify_profile
 from core.verify import forward_tokens
 from labstate.settings import PRECISIONS
 

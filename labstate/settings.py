@@ -11,8 +11,8 @@ from typing import Callable, Mapping
 
 from core.accept import RULES, AcceptConfig
 from core.decoder import DecodeConfig
-from core.datastore import STORE_TOKENS
-from core.lookup import CHAIN_TOKENS
+from core.drafters.datastore import STORE_TOKENS
+from core.drafters.lookup import CHAIN_TOKENS
 from core.model import default_precision
 from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, TREE_STRATEGIES
 from core.sampling import SamplingConfig

@@ -23,7 +23,7 @@ for DTYPE in $DTYPES; do
       specmix) FILE=spec_mix.jsonl; ARGS="--stride $((STRIDE * 3 / 2)) --max-new-tokens 128" ;;
       collapse) FILE=adversarial.jsonl; ARGS="--stride 4 --max-new-tokens 64" ;;
     esac
-    $PY -m core.bench --prompts assets/data/$FILE $ARGS --dtype $DTYPE --strategies $MAIN \
+    $PY -m offline.bench --prompts assets/data/$FILE $ARGS --dtype $DTYPE --strategies $MAIN \
         --out $OUT/bench_${ROUND}_${SET}_$DTYPE.json
   done
 done

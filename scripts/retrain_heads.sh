@@ -3,7 +3,7 @@
 #   1. self-distillation data: the base model's greedy answers to ShareGPT first turns, with the
 #      training features captured while it writes them (needs requirements-datagen.txt; the text is
 #      never committed). Skipped when GENERATE=0 (the data under data/ is used as it is).
-#   2. Medusa heads (core.train) and Hydra heads (core.train_hydra) on the same features; each
+#   2. Medusa heads (offline.train) and Hydra heads (offline.train_hydra) on the same features; each
 #      writes its report.json (held-out accuracy on MT-Bench and the second set; Hydra also
 #      tokens per step of its grown tree beside the Medusa heads' dynamic tree).
 #   3. tokens per step of the fixed and dynamic Medusa trees on both held-out sets.
@@ -16,12 +16,12 @@ DATA=${DATA:-data/distill_chat.jsonl}
 EPOCHS=${EPOCHS:-2.0}
 if [ "${GENERATE:-1}" = "1" ]; then
   .venv/bin/pip install -q -r requirements-datagen.txt
-  $PY -m core.datagen --out "$DATA" --train-prompts 0 --self-prompts 0 --sharegpt 11000 --max-new-tokens 256
+  $PY -m offline.datagen --out "$DATA" --train-prompts 0 --self-prompts 0 --sharegpt 11000 --max-new-tokens 256
 fi
-$PY -m core.train --data "$DATA" --out assets/heads --epochs "$EPOCHS"
-$PY -m core.train_hydra --data "$DATA" --out assets/hydra --epochs "$EPOCHS"
+$PY -m offline.train --data "$DATA" --out assets/heads --epochs "$EPOCHS"
+$PY -m offline.train_hydra --data "$DATA" --out assets/hydra --epochs "$EPOCHS"
 TREES=fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63,dynamic:128
-$PY -m core.simulate --answers assets/results/mt_bench_answers.jsonl --trees $TREES \
+$PY -m offline.simulate --answers assets/results/mt_bench_answers.jsonl --trees $TREES \
     --out assets/results/tokens_per_step.json
-$PY -m core.simulate --answers assets/results/spec_mix_answers.jsonl --trees $TREES \
+$PY -m offline.simulate --answers assets/results/spec_mix_answers.jsonl --trees $TREES \
     --out assets/results/tokens_per_step_second_set.json

@@ -13,9 +13,9 @@ import json
 import statistics
 from pathlib import Path
 
-from core.bench import parse_strategy
+from offline.bench import parse_strategy
 from core.decoder import DecodeConfig, decode
-from core.heads import default_heads
+from core.drafters.medusa import default_heads
 from core.model import ModelConfig, load_base_model
 
 PHASES = ("heads", "tree", "verify", "accept", "commit")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.heads import HeadsConfig, MedusaHeads, default_heads
-from core.hydra import default_hydra_heads
+from core.drafters.medusa import HeadsConfig, MedusaHeads, default_heads
+from core.drafters.hydra import default_hydra_heads
 from core.model import ModelConfig, load_base_model
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import core.model
 from core.decoder import DecodeConfig, DecodeSession, decode
-from core.heads import MedusaHeads
+from core.drafters.medusa import MedusaHeads
 from core.model import SUPPORTED_MODEL_TYPES, BaseModel, ModelConfig, check_supported, load_base_model
 from tests.tiny import ARCHITECTURES, greedy_reference, tiny_base, tiny_heads, tiny_model, tiny_tokenizer, wrap
 

@@ -1,4 +1,4 @@
-"""The adaptive budget's controller (`core.auto`): calibration from the heads' own scores only."""
+"""The adaptive budget's controller (`core.budget.controller`): calibration from the heads' own scores only."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from core.auto import AutoBudget
-from core.drafters import Chain, HeadProposal
-from core.profile import CostProfile, DepthCalibration
+from core.budget.controller import AutoBudget
+from core.drafters.interface import Chain, HeadProposal
+from core.budget.cost_profile import CostProfile, DepthCalibration
 from core.records import DYNAMIC, PhaseTimes, StepRecord, TreeOutcome
 from core.tree import CandidateTree
 from core.tree_policy import DraftTree, build_draft_tree
@@ -121,7 +121,7 @@ def test_a_wrong_profile_is_corrected_within_twenty_steps():
 
 def test_the_old_controller_fails_that_case():
     """The control: trusting the profile's one-token cost (no correction, no probes) stays slow."""
-    import core.auto as auto_module
+    import core.budget.controller as auto_module
     wrong = CostProfile(sizes=[1, 2, 64], ms=[34.0, 34.0, 60.0])
     real = lambda tokens: 20.0 if tokens == 1 else 34.0 + 0.4 * (tokens - 2)  # noqa: E731
     original = (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor)
@@ -146,7 +146,7 @@ def test_an_exact_profile_with_good_heads_keeps_the_trees():
 def test_one_slow_tree_step_does_not_lock_the_run_into_plain_steps():
     """Trees measured during a burst of load look dear; once no tree ran for a while, those
     measurements are forgotten and the profile gets another chance."""
-    from core.auto import MIN_CORRECTION_SAMPLES, STALE_TREE_STEPS, CostCorrection
+    from core.budget.controller import MIN_CORRECTION_SAMPLES, STALE_TREE_STEPS, CostCorrection
     correction = CostCorrection()
     correction.add(1, 20.0, 20.0, step=0)
     assert correction.factor(5) == 1.0  # no tree measured: the profile
@@ -168,7 +168,7 @@ def test_a_bad_start_does_not_lock_the_run_out_of_trees():
     tokens, times = _simulate_controller(exact, real, accept_chance=lambda i: 0.0 if i < 60 else 0.8,
                                          steps=200, kinds=kinds)
     assert sum(k > 0 for k in kinds[30:60]) < 15  # it did back off during the bad start
-    from core.auto import MAX_BACKOFF, MAX_EXPLORE_AFTER
+    from core.budget.controller import MAX_BACKOFF, MAX_EXPLORE_AFTER
     first_tree = next(i for i in range(60, len(kinds)) if kinds[i] > 0)  # the evidence changes here
     assert first_tree - 60 <= MAX_EXPLORE_AFTER + MAX_BACKOFF  # an exploring step comes at the latest then
     following = kinds[first_tree + 1:first_tree + 9]
@@ -177,7 +177,7 @@ def test_a_bad_start_does_not_lock_the_run_out_of_trees():
 
 
 def test_root_only_steps_count_in_no_measured_rate():
-    from core.auto import AutoBudget
+    from core.budget.controller import AutoBudget
     auto = AutoBudget(PROFILE)
     proposal = heads()
     empty = build_draft_tree(proposal, [], budget=10, top_m=8, depth=4).keep(size=0)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from core.bench import BenchRow, merge_results, read_prompts, summarise
+from offline.bench import BenchRow, merge_results, read_prompts, summarise
 
 
 def fake_result(prompt_ids: list[str], ar_seconds: float, tree_seconds: float) -> dict:
@@ -47,7 +47,7 @@ def test_cli_saves_after_every_prompt_and_marks_the_run_complete(tmp_path, monke
     """A run cut off mid-way keeps its finished prompts: the output file is rewritten after each one."""
     import sys
 
-    import core.bench as bench
+    import offline.bench as bench
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n"
@@ -92,7 +92,7 @@ def test_summary_gives_the_worst_prompt_and_each_category():
 
 
 def test_store_and_lookup_specs_parse():
-    from core.bench import parse_strategy
+    from offline.bench import parse_strategy
     from core.decoder import DecodeConfig
 
     config = parse_strategy("dynamic:auto+lookup+store", DecodeConfig())
@@ -103,7 +103,7 @@ def test_store_and_lookup_specs_parse():
 
 
 def test_hydra_specs_parse_and_pick_hydra_heads():
-    from core.bench import HeadSet, parse_strategy
+    from offline.bench import HeadSet, parse_strategy
     from core.decoder import DecodeConfig
     from tests.tiny import tiny_base, tiny_heads, tiny_hydra
 
@@ -121,7 +121,7 @@ def test_hydra_specs_parse_and_pick_hydra_heads():
 def test_forward_suffix_runs_a_strategy_on_the_other_forward():
     """`ar@hf` runs plain decoding on transformers' forward beside `ar` on the lean one: same
     tokens (fp32), two rows, the ratio of the two is the engine's speed-up in one run."""
-    from core.bench import Prompt, benchmark, engine_of, parse_strategy
+    from offline.bench import Prompt, benchmark, engine_of, parse_strategy
     from core.decoder import DecodeConfig
     from core.records import AUTOREGRESSIVE
     from tests.tiny import tiny_base, tiny_heads
@@ -133,7 +133,7 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
         parse_strategy("ar@fast", DecodeConfig())
     lean, hf = tiny_base("llama"), tiny_base("llama", engine="hf")
     assert (lean.engine_name, hf.engine_name) == ("lean", "hf")
-    from core.bench import HeadSet
+    from offline.bench import HeadSet
     rows = benchmark(lean, HeadSet(medusa=tiny_heads(lean)), [Prompt(id="p", text="hello there")],
                      ["ar", "ar@hf", "dynamic:8@hf"], DecodeConfig(max_new_tokens=12, record_texts=False),
                      other_forwards={"lean": lean, "hf": hf})
@@ -145,9 +145,9 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
 def test_per_step_records_round_trip_through_the_json(monkeypatch):
     """Each row keeps, per step, the nodes verified, the tokens emitted, the verify time and the
     controller's state; they survive the JSON file and a merge."""
-    from core.bench import HeadSet, Prompt, benchmark
+    from offline.bench import HeadSet, Prompt, benchmark
     from core.decoder import DecodeConfig
-    from core.profile import CostProfile
+    from core.budget.cost_profile import CostProfile
     import core.decoder
     from tests.tiny import tiny_base, tiny_heads
 

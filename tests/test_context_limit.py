@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.decoder import DecodeConfig, decode
-from core.profile import CostProfile
+from core.budget.cost_profile import CostProfile
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 
 MAX_POSITIONS = 256

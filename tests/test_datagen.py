@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from core.datagen import generate_batch, load_train_prompts
+from offline.datagen import generate_batch, load_train_prompts
 
 
 def test_batched_greedy_equals_one_by_one_generate(base_fp32):

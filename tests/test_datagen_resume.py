@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-import core.datagen as datagen
-from core.datagen import GenConfig, answer_prompts, generate_batch, generate_with_features, load_captured
-from core.train import Features, load_training_features
+import offline.datagen as datagen
+from offline.datagen import GenConfig, answer_prompts, generate_batch, generate_with_features, load_captured
+from offline.train import Features, load_training_features
 from tests.tiny import tiny_base
 
 PROMPTS = [{"id": f"p{i}", "prompt": "tell me about " + "abcdefghijklmnop"[: 3 + i], "source": "test/x"}
@@ -100,7 +100,7 @@ def test_training_features_line_up_with_answers(base, tmp_path):
 def test_the_last_shard_holding_a_row_wins(tmp_path):
     """An orphan shard (its run died before writing the rows) may hold another answer to the same
     prompt; the shard written just before the row is the one that matches it."""
-    from core.datagen import AnswerFeatures, _save_shard
+    from offline.datagen import AnswerFeatures, _save_shard
 
     def features(length: int, value: float) -> AnswerFeatures:
         return AnswerFeatures(hidden=torch.full((length, 4), value).bfloat16(),

@@ -5,9 +5,9 @@ import pytest
 
 import random
 
-from core.datastore import SEPARATOR, StoreDrafter, TokenStore
+from core.drafters.datastore import SEPARATOR, StoreDrafter, TokenStore
 from core.decoder import DecodeConfig, decode
-from core.drafters import DraftContext
+from core.drafters.interface import DraftContext
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 
 
@@ -87,7 +87,7 @@ def test_many_occurrences_are_sampled_fairly():
     """300 occurrences of one context: 200 continue with token 7, 100 with token 9 (which sorts
     after 7). A sample taken from one end of the sorted suffixes would see only 9s; the store
     must rank 7 first with about its true share."""
-    from core.datastore import MAX_OCCURRENCES, TokenStore
+    from core.drafters.datastore import MAX_OCCURRENCES, TokenStore
     sequences = [[1, 2, 3, 7, 7] for _ in range(200)] + [[1, 2, 3, 9, 9] for _ in range(100)]
     store = TokenStore(sequences)
     length, positions = store.search([5, 1, 2, 3])

@@ -78,7 +78,7 @@ def test_greedy_fp32_random_heads_small_budget(base_fp32, random_heads, plain_fp
 def test_bf16_divergences_are_near_ties(base_bf16, mt_bench_prompts):
     """Every bf16 divergence sits where the plain run's own top-2 logits were at most two bf16
     rounding steps apart (read from the logits the plain run chose by, not recomputed)."""
-    from core.heads import default_heads
+    from core.drafters.medusa import default_heads
     heads, _ = default_heads(base_bf16.model.config.hidden_size, base_bf16.model.config.vocab_size, dtype=torch.bfloat16)
     configs = [DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=48),
                DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=10, max_new_tokens=48)]
@@ -184,7 +184,7 @@ def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt
             return base_fp32.lm_head(hidden)
 
     session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], DecodeConfig(strategy="dynamic", budget=7))
-    from core.drafters import DraftContext
+    from core.drafters.interface import DraftContext
     proposal = session.heads_drafter.propose(DraftContext(tokens=session.output_ids, hidden=session.last_hidden))
     probs, ids = proposal.probs, proposal.token_ids  # [K, m] each
     for budget in (7, ALL_ROWS_UP_TO + 8):
@@ -236,7 +236,7 @@ def test_lookup_nodes_carry_copied_text(base_fp32, shipped_heads):
 
 def test_steps_without_heads_still_verify_the_lookup_chain(base_fp32, shipped_heads):
     """While auto backs off from the heads, each step verifies the lookup chain alone; still exact."""
-    from core.profile import CostProfile
+    from core.budget.cost_profile import CostProfile
 
     plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(strategy="autoregressive", max_new_tokens=40))
     config = DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=8, max_new_tokens=40)

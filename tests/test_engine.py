@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from core.datagen import ContinuousBatcher
+from offline.datagen import ContinuousBatcher
 from core.decoder import DecodeConfig, decode, start_session
 from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, StaticCache
 from core.kvcache import keep_accepted, truncate
@@ -214,12 +214,12 @@ def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkey
 def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     """Where bf16 is fast the heads draft in bf16 even for an fp32 run: the drafts change, the
     fp32 verify keeps the output equal to plain greedy."""
-    import core.drafters
+    import core.drafters.interface
     from tests.tiny import tiny_hydra
-    monkeypatch.setattr(core.drafters, "fast_bf16", lambda: True)
+    monkeypatch.setattr(core.drafters.interface, "fast_bf16", lambda: True)
     base = tiny_base("llama")
     heads = tiny_heads(base) if family == "medusa" else tiny_hydra(base)
-    drafting, _, dtype = core.drafters.heads_for_drafting(heads, base)
+    drafting, _, dtype = core.drafters.interface.heads_for_drafting(heads, base)
     assert dtype == torch.bfloat16 and next(drafting.parameters()).dtype == torch.bfloat16
     assert next(heads.parameters()).dtype == torch.float32  # the shared heads are never changed
     strategy = "dynamic" if family == "medusa" else "hydra"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from core.decoder import DecodeConfig, start_session
-from core.drafters import HeadProposal
+from core.drafters.interface import HeadProposal
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 
 PROMPT = list(b"the quick brown fox")

@@ -1,4 +1,4 @@
-"""The spec_mix evaluation set (core/evalset.py): reproducible, balanced, original, within length bounds."""
+"""The spec_mix evaluation set (offline/evalset.py): reproducible, balanced, original, within length bounds."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from core.bench import read_prompts
-from core.evalset import (CATEGORIES, MAX_PROMPT_TOKENS, MIN_PER_CATEGORY, MIN_PROMPT_TOKENS, MT_BENCH, OUTPUT,
+from offline.bench import read_prompts
+from offline.evalset import (CATEGORIES, MAX_PROMPT_TOKENS, MIN_PER_CATEGORY, MIN_PROMPT_TOKENS, MT_BENCH, OUTPUT,
                           SOURCE_LABEL, TOKENIZER_DIR, build_rows, load_sources, load_tokenizer, mt_bench_questions,
                           prompt_tokens, to_jsonl)
 
@@ -40,7 +40,7 @@ def test_build_is_deterministic_and_the_committed_file_is_current(rows):
     assert again == rows
     assert to_jsonl(again) == to_jsonl(rows)
     assert OUTPUT.read_text(encoding="utf-8") == to_jsonl(rows), \
-        "assets/data/spec_mix.jsonl is out of date: run python -m core.evalset"
+        "assets/data/spec_mix.jsonl is out of date: run python -m offline.evalset"
 
 
 def test_every_category_has_enough_prompts_and_ids_are_unique(rows):

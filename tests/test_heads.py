@@ -5,7 +5,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from core.heads import HeadsConfig, MedusaHeads, load_heads, load_official_medusa
+from core.drafters.medusa import HeadsConfig, MedusaHeads, load_heads, load_official_medusa
 
 
 def random_heads(config: HeadsConfig) -> MedusaHeads:

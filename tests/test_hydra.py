@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from core.decoder import DecodeConfig, decode
-from core.hydra import HydraConfig, HydraHeads, grow_tree, load_hydra_heads
-from core.train import Features, draft_loss, train_vocab
-from core.train_hydra import hydra_loss
+from core.drafters.hydra import HydraConfig, HydraHeads, grow_tree, load_hydra_heads
+from offline.train import Features, draft_loss, train_vocab
+from offline.train_hydra import hydra_loss
 from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
 
 PROMPT = list(b"the cat sat on the mat and the cat sat on the")

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.drafters import Chain
-from core.lookup import ChainStats, LookupDraft, lookup_drafts
-from core.profile import CostProfile, best_prefix
+from core.drafters.interface import Chain
+from core.drafters.lookup import ChainStats, LookupDraft, lookup_drafts
+from core.budget.cost_profile import CostProfile, best_prefix
 from core.tree import CandidateTree, dynamic_tree
 from core.tree_policy import chain_token_table, graft_chains
 from tests.test_tree import check_invariants
@@ -157,7 +157,7 @@ def test_several_lookup_drafts_have_distinct_first_tokens_longest_match_first():
 
 
 def test_lookup_chains_grow_while_copies_run_long_and_shrink_after_a_miss():
-    from core.drafters import DraftContext, LookupDrafter
+    from core.drafters.interface import DraftContext, LookupDrafter
 
     text = list(range(100)) * 2 + list(range(5))  # the text is copying itself
     drafter = LookupDrafter(max_tokens=4, chains=2)

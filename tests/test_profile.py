@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-import core.profile as profile_module
+import core.budget.cost_profile as profile_module
 from core.decoder import DecodeConfig, decode
-from core.profile import CostProfile, DepthCalibration, best_prefix, verify_profile
+from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, verify_profile
 from tests.tiny import tiny_base
 
 FLAT = CostProfile(sizes=[1, 128], ms=[20.0, 20.0])

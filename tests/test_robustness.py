@@ -29,7 +29,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 import app  # noqa: E402  (builds the Blocks; launches nothing)
 import labstate  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
-from core.profile import CostProfile  # noqa: E402
+from core.budget.cost_profile import CostProfile  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:.*no_silent_downcasting:Warning"),

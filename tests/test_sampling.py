@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, start_session
-from core.heads import HeadsConfig, MedusaHeads
-from core.datastore import TokenStore
-from core.hydra import HydraConfig, HydraHeads
+from core.drafters.medusa import HeadsConfig, MedusaHeads
+from core.drafters.datastore import TokenStore
+from core.drafters.hydra import HydraConfig, HydraHeads
 from core.model import BaseModel, ModelConfig
 from core.sampling import SamplingConfig, sampling_probs
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from core.datagen import mt_bench_questions
-from core.sharegpt import PromptStats, first_human_turns, iter_json_array
+from offline.datagen import mt_bench_questions
+from offline.sharegpt import PromptStats, first_human_turns, iter_json_array
 
 
 def conversation(cid: str, first: object, speaker: str = "human") -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from core.decoder import DecodeConfig, decode
-from core.simulate import parse_tree_spec, simulate
+from offline.simulate import parse_tree_spec, simulate
 
 
 @pytest.mark.parametrize("spec, config", [

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from core.heads import load_heads
-from core.train import (Features, TrainConfig, calibrated_choices, extract_features, frequency_vocab, head_loss,
+from core.drafters.medusa import load_heads
+from offline.train import (Features, TrainConfig, calibrated_choices, extract_features, frequency_vocab, head_loss,
                         train_heads, train_vocab)
 from core.tree import fixed_tree, load_named_trees
 from tests.test_tree import check_invariants
@@ -28,7 +28,7 @@ def test_tiny_training_lowers_loss_and_saves(base_bf16, tiny_features, tmp_path)
     index = torch.arange(tiny_features.hidden.shape[0])
     config = TrainConfig(num_heads=3, epochs=40, batch_size=64, lr=1e-2)
     torch.manual_seed(0)
-    from core.heads import HeadsConfig, MedusaHeads
+    from core.drafters.medusa import HeadsConfig, MedusaHeads
     fresh = MedusaHeads(HeadsConfig(num_heads=3))
     vocab = train_vocab(base_bf16.lm_head.weight, None)
     with torch.no_grad():
@@ -84,8 +84,8 @@ def _held_out_rows(base, prompts: list[str]) -> list[dict]:
 
 def test_shipped_heads_load_by_default_and_predict(base_fp32, mt_bench_prompts):
     """Guard against shipping broken or mismatched weights (random heads score ~0)."""
-    from core.heads import DEFAULT_HEADS_DIR, default_heads
-    from core.train import head_accuracy
+    from core.drafters.medusa import DEFAULT_HEADS_DIR, default_heads
+    from offline.train import head_accuracy
     assert (DEFAULT_HEADS_DIR / "heads.safetensors").exists(), "assets/heads is not shipped"
     heads, description = default_heads(base_fp32.model.config.hidden_size, base_fp32.model.config.vocab_size)
     assert description.startswith("trained")
@@ -105,7 +105,7 @@ def test_draft_training_vocab_matches_full_softmax_restricted():
                         tokens=torch.tensor([3, 17, 4, 9]),
                         teacher_ids=torch.tensor([[3, 1], [17, 4], [4, 2], [9, 0]], dtype=torch.int32),
                         teacher_probs=torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.6, 0.4], [0.7, 0.3]]).half())
-    from core.heads import HeadsConfig, MedusaHeads
+    from core.drafters.medusa import HeadsConfig, MedusaHeads
     heads = MedusaHeads(HeadsConfig(num_heads=1, hidden_size=8, vocab_size=50))
     loss, accuracy = head_loss(heads, vocab, features, torch.tensor([0, 1, 2]), 0.8)
     # by hand: head 1 at j predicts token j+1, from the teacher at j+1
@@ -132,8 +132,8 @@ def test_draft_training_vocab_matches_full_softmax_restricted():
 def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts):
     """Guard on the shipped Hydra heads: given the true path, depths 2-4 stay far above what
     Medusa heads trained on the same data reach (.11 / .07 / .05 on MT-Bench)."""
-    from core.hydra import default_hydra_heads
-    from core.train_hydra import hydra_accuracy
+    from core.drafters.hydra import default_hydra_heads
+    from offline.train_hydra import hydra_accuracy
     heads = default_hydra_heads()
     assert heads is not None, "assets/hydra is not shipped"
     rows = _held_out_rows(base_fp32, mt_bench_prompts)

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-from core.heads import HeadsConfig, MedusaHeads
+from core.drafters.medusa import HeadsConfig, MedusaHeads
 from core.model import DTYPES, BaseModel, ModelConfig, prepare_model
 
 VOCAB_SIZE = 256
@@ -120,7 +120,7 @@ def greedy_reference(base: BaseModel, prompt_ids: Sequence[int], max_new_tokens:
 
 def tiny_hydra(base: BaseModel, num_heads: int = 4, *, std: float = 0.05, seed: int = 0) -> "HydraHeads":
     """Random non-zero Hydra heads over `base` (the whole vocabulary is their draft vocabulary)."""
-    from core.hydra import HydraConfig, HydraHeads
+    from core.drafters.hydra import HydraConfig, HydraHeads
     config = base.model.config
     heads = HydraHeads(HydraConfig(num_heads=num_heads, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                                    draft_vocab_size=config.vocab_size, base_model=base.source))

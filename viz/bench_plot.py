@@ -1,4 +1,4 @@
-"""Benchmark results (the JSON written by `python -m core.bench`) as figures and a Markdown table.
+"""Benchmark results (the JSON written by `python -m offline.bench`) as figures and a Markdown table.
 
     python -m viz.bench_plot assets/results/bench_bf16.json [more.json ...] --html assets/results/bench.html
 """

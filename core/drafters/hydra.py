@@ -34,7 +34,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from core.heads import DraftProjection, ResBlock, draft_rows
+from core.drafters.medusa import DraftProjection, ResBlock, draft_rows
 from core.model import REPO_ROOT, linear_rows
 from core.tree import CandidateTree, RankPath
 

