@@ -52,9 +52,10 @@ import gradio as gr
 
 import labstate
 from core.accept import RULES
-from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
+from core.strategy import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 from core.model import precision_choice
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, StepRecord
+from core.records import StepRecord
+from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
 from core.tree import load_named_trees
 from labstate import LabInputError, LabNotice, LabState, Run, Settings
 from viz.bench_plot import (bench_figure, category_table, markdown_table, result_order, step_trace_figure,

@@ -15,7 +15,9 @@ dynamic:auto skips the heads, a step verifies the chains alone.
 from __future__ import annotations
 
 import copy
+import json
 import time
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -30,17 +32,15 @@ from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraHeads
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
-from core.records import (AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP, STRATEGIES, TREE_STRATEGIES, PhaseTimes,
-                          StepRecord, TreeOutcome)
+from core.records import PhaseTimes, StepRecord, TreeOutcome
+from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HF, HYDRA, LOOKUP,
+                           LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS,
+                           STRATEGIES, TREE_STRATEGIES, StrategyError, StrategySpec)
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
 
-MAX_BUDGET = 256
-MAX_TOP_M = 64
-MAX_NEW_TOKENS = 1024
-MAX_LOOKUP_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,11 @@ class DecodeConfig:
     `store_branches` continuations of up to this many tokens as branches (`core.drafters.datastore`).
     """
 
-    strategy: str = "dynamic"
-    budget: int = 63
+    strategy: str = DYNAMIC
+    budget: int = DEFAULT_BUDGET
     top_m: int = 32
     depth: int = 4
-    fixed_tree: str | tuple = "mc_sim_7b_63"
+    fixed_tree: str | tuple = DEFAULT_FIXED_TREE
     accept: AcceptConfig = AcceptConfig()
     max_new_tokens: int = 128
     seed: int = 0
@@ -80,13 +80,13 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        _check_int("budget", self.budget, 0, MAX_BUDGET)
+        _check_int("budget", self.budget, 1, MAX_BUDGET)
         _check_int("top_m", self.top_m, 1, MAX_TOP_M)
         _check_int("depth", self.depth, 1, 16)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-        _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS)
+        _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_CHAIN_TOKENS)
         _check_int("lookup_chains", self.lookup_chains, 1, 8)
-        _check_int("store_tokens", self.store_tokens, 0, MAX_LOOKUP_TOKENS)
+        _check_int("store_tokens", self.store_tokens, 0, MAX_CHAIN_TOKENS)
         _check_int("store_branches", self.store_branches, 1, 8)
         _check_int("hydra_beam", self.hydra_beam, 1, MAX_TOP_M)
         if self.lookup_tokens and self.strategy not in TREE_STRATEGIES:
@@ -98,6 +98,32 @@ class DecodeConfig:
         if isinstance(self.fixed_tree, str):
             return named_tree(self.fixed_tree)
         return fixed_tree([list(p) for p in self.fixed_tree])
+
+
+def strategy_config(spec: StrategySpec, base_config: DecodeConfig | None = None) -> DecodeConfig:
+    """`base_config` decoding the way `spec` says (family, budget, auto, chains, fixed tree).
+
+    The spec's forward (`@lean` / `@hf`) is the caller's to apply; `hf:*` peers are not ours to decode.
+    """
+    base_config = base_config if base_config is not None else DecodeConfig()
+    if spec.family == HF:
+        raise StrategyError(f"{spec.text} runs transformers' generate, not a DecodeConfig")
+    if spec.family == AUTOREGRESSIVE:
+        return replace(base_config, strategy=AUTOREGRESSIVE)
+    if spec.family == FIXED:
+        return replace(base_config, strategy=FIXED, fixed_tree=_fixed_tree_of(spec.tree or DEFAULT_FIXED_TREE))
+    return replace(base_config, strategy=spec.family, budget=spec.node_budget, auto_budget=spec.auto,
+                   lookup_tokens=LOOKUP_TOKENS if spec.lookup else 0, store_tokens=STORE_TOKENS if spec.store else 0)
+
+
+def _fixed_tree_of(name: str) -> str | tuple[tuple[int, ...], ...]:
+    """A shipped tree's name as it is, or the rank paths of a JSON file (checked now, not mid-run)."""
+    if not name.endswith(".json"):
+        named_tree(name)  # an unknown name fails here
+        return name
+    choices = json.loads(Path(name).read_text())
+    fixed_tree(choices)
+    return tuple(tuple(p) for p in choices)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

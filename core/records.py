@@ -6,17 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.strategy import HYDRA
 from core.tree import CandidateTree
-
-# step kinds (StepRecord.strategy) and the decoding strategies of DecodeConfig
-AUTOREGRESSIVE = "autoregressive"
-FIXED = "fixed"
-DYNAMIC = "dynamic"
-HYDRA = "hydra"  # a tree grown node by node by Hydra heads (core.drafters.hydra)
-LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (the heads skipped)
-STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, HYDRA)
-TREE_STRATEGIES = (DYNAMIC, HYDRA)  # the strategies that take chains and the adaptive budget
-
 
 @dataclass(frozen=True)
 class PhaseTimes:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from core.decoder import MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
+from core.strategy import MAX_BUDGET
 
 MAX_TEMPERATURE = 2.0
 # Prompts: refused above MAX_PROMPT_TOKENS (chat template included). 2048 keeps a session's KV cache
@@ -17,5 +17,5 @@ MAX_DEPTH = 16  # no model here has more heads
 MAX_REFERENCES = 8  # plain-greedy runs cached per session
 STEP_LOCK_TIMEOUT_S = 120.0
 
-__all__ = ["MAX_BUDGET", "MAX_NEW_TOKENS", "MAX_TOP_M", "MAX_TEMPERATURE", "MAX_PROMPT_TOKENS", "MAX_PROMPT_CHARS",
+__all__ = ["MAX_TEMPERATURE", "MAX_PROMPT_TOKENS", "MAX_PROMPT_CHARS",
            "MAX_CUSTOM_TREE_NODES", "MAX_CUSTOM_TREE_CHARS", "MAX_DEPTH", "MAX_REFERENCES", "STEP_LOCK_TIMEOUT_S"]

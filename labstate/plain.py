@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from core.decoder import DecodeConfig, decode
 from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
 from core.budget.cost_profile import CostProfile
-from core.records import AUTOREGRESSIVE
+from core.strategy import AUTOREGRESSIVE
 from labstate.errors import LabNotice
 from labstate.limits import MAX_REFERENCES
 from labstate.runtime import _PROFILES

@@ -5,9 +5,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.decoder import DecodeConfig, DecodeSession, start_session
-from core.records import AUTOREGRESSIVE, StepRecord
+from core.records import StepRecord
+from core.strategy import AUTOREGRESSIVE
 from labstate.errors import LabInputError, LabNotice
-from labstate.limits import MAX_BUDGET, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, STEP_LOCK_TIMEOUT_S
+from core.strategy import MAX_BUDGET, MAX_NEW_TOKENS
+from labstate.limits import MAX_PROMPT_TOKENS, STEP_LOCK_TIMEOUT_S
 from labstate.runtime import Runtime, cost_profile, measure_forward_seconds, runtime
 from labstate.settings import Settings, decode_config
 

@@ -14,7 +14,7 @@ import torch
 
 from core.drafters.medusa import MedusaHeads, default_heads
 from core.drafters.hydra import HydraHeads, default_hydra_heads
-from core.records import HYDRA
+from core.strategy import HYDRA
 from core.kvcache import truncate
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.budget.cost_profile import CostProfile, verify_profile

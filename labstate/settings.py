@@ -6,41 +6,34 @@ parameters and its panel from it, and `parse_settings` reads raw values (any JSO
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from core.accept import RULES, AcceptConfig
-from core.decoder import DecodeConfig
-from core.drafters.datastore import STORE_TOKENS
-from core.drafters.lookup import CHAIN_TOKENS
+from core.decoder import DecodeConfig, strategy_config
 from core.model import default_precision
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, TREE_STRATEGIES
+from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HYDRA, StrategyError,
+                           MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, StrategySpec, parse_strategy)
 from core.sampling import SamplingConfig
 from core.tree import fixed_tree, load_named_trees
 from labstate.errors import LabInputError, show
-from labstate.limits import (MAX_BUDGET, MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DEPTH, MAX_NEW_TOKENS,
-                             MAX_TEMPERATURE, MAX_TOP_M)
+from labstate.limits import MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DEPTH, MAX_TEMPERATURE
 
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_PRECISION = default_precision()
-AUTO_STRATEGY = f"{DYNAMIC}:auto"  # dynamic + DecodeConfig.auto_budget
-LOOKUP_STRATEGY = f"{DYNAMIC}:auto+lookup"  # the same plus a prompt-lookup chain in every tree
-STORE_STRATEGY = f"{DYNAMIC}:auto+lookup+store"  # and branches from the datastore of the model's own answers
-HYDRA_AUTO_STRATEGY = f"{HYDRA}:auto"  # the tree Hydra heads grow, auto-sized
-HYDRA_LOOKUP_STRATEGY = f"{HYDRA}:auto+lookup"  # the same plus a prompt-lookup chain
-UI_STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY,
-                 HYDRA, HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY)
-AUTO_STRATEGIES = (AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY, HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY)
-LOOKUP_STRATEGIES = (LOOKUP_STRATEGY, STORE_STRATEGY, HYDRA_LOOKUP_STRATEGY)
-STRATEGY_LABELS = {AUTOREGRESSIVE: "autoregressive", FIXED: "fixed", DYNAMIC: "dynamic",
-                   AUTO_STRATEGY: "dynamic (auto budget)", LOOKUP_STRATEGY: "dynamic (auto) + prompt lookup",
-                   STORE_STRATEGY: "dynamic (auto) + lookup + datastore", HYDRA: "Hydra tree",
-                   HYDRA_AUTO_STRATEGY: "Hydra tree (auto budget)",
-                   HYDRA_LOOKUP_STRATEGY: "Hydra tree (auto) + prompt lookup"}
+# The strategies the panel offers, in the one grammar (core.strategy); the node budget is its own slider.
+UI_SPECS = (StrategySpec(AUTOREGRESSIVE), StrategySpec(FIXED), StrategySpec(DYNAMIC),
+            StrategySpec(DYNAMIC, auto=True), StrategySpec(DYNAMIC, auto=True, lookup=True),
+            StrategySpec(DYNAMIC, auto=True, lookup=True, store=True), StrategySpec(HYDRA),
+            StrategySpec(HYDRA, auto=True), StrategySpec(HYDRA, auto=True, lookup=True))
+UI_STRATEGIES = tuple(spec.text for spec in UI_SPECS)
+AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY = UI_STRATEGIES[3:6]
+HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY = UI_STRATEGIES[7:9]
+STRATEGY_LABELS = {spec.text: spec.label for spec in UI_SPECS}
 STRATEGY_HELP = {
-    AUTOREGRESSIVE: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
-    FIXED: "Medusa's fixed tree: the same rank paths (the preset below) every step.",
-    DYNAMIC: "The paper's dynamic tree: every step keeps the `budget` rank paths with the highest joint head "
+    UI_STRATEGIES[0]: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
+    UI_STRATEGIES[1]: "Medusa's fixed tree: the same rank paths (the preset below) every step.",
+    UI_STRATEGIES[2]: "The paper's dynamic tree: every step keeps the `budget` rank paths with the highest joint head "
              "probability.",
     AUTO_STRATEGY: "Dynamic tree whose size is chosen every step: the node count (≤ budget) with the best expected "
                    "tokens/s, from a verify-cost profile measured once per precision (5-10 s).",
@@ -48,7 +41,7 @@ STRATEGY_HELP = {
                      "where they appeared before join the tree as one more branch (◆).",
     STORE_STRATEGY: "Auto-sized dynamic tree, prompt lookup, and a datastore of the model's own earlier answers: "
                     "what most often followed the text's last words there joins the tree as up to 3 more branches.",
-    HYDRA: "Hydra heads grow the tree node by node: each guess reads the tokens on the path before it, so a "
+    UI_STRATEGIES[6]: "Hydra heads grow the tree node by node: each guess reads the tokens on the path before it, so a "
            "node's children depend on the node (`budget` nodes, `top-m` children per expanded node).",
     HYDRA_AUTO_STRATEGY: "The Hydra tree, sized every step by the same expected-tokens/s rule as dynamic (auto).",
     HYDRA_LOOKUP_STRATEGY: "The auto-sized Hydra tree plus the prompt-lookup chain (◆).",
@@ -61,19 +54,16 @@ CUSTOM_TREE_EXAMPLE = "e.g. [[0], [1], [0, 0]]"
 class Settings:
     """Everything the settings panel controls. The defaults are the page's first run: a tree that pays on a CPU."""
 
-    strategy: str = DYNAMIC
-    budget: int = 63
+    spec: StrategySpec = StrategySpec(DYNAMIC, auto=True, lookup=True)  # the strategy (its budget is `budget`)
+    budget: int = DEFAULT_BUDGET
     top_m: int = 32
     depth: int = 4
-    fixed_preset: str = "mc_sim_7b_63"
+    fixed_preset: str = DEFAULT_FIXED_TREE
     rule: str = "greedy"
     temperature: float = 0.0
-    precision: str = DEFAULT_PRECISION  # bf16 where it is fast (GPU, AVX512-BF16), else fp32
+    precision: str = DEFAULT_PRECISION  # bf16 only where it measured clearly faster (core.model.precision_choice)
     max_new_tokens: int = 128
     compare_fixed: bool = True
-    auto_budget: bool = True  # dynamic only: per step the node count (<= budget) with the best tokens/s
-    lookup: bool = True  # dynamic only: a prompt-lookup chain joins every tree
-    store: bool = False  # dynamic only: datastore branches join every tree
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
 
     @property
@@ -81,25 +71,31 @@ class Settings:
         return self.temperature <= 0.0
 
     @property
+    def strategy(self) -> str:
+        """The decoding family: autoregressive, fixed, dynamic or hydra."""
+        return self.spec.family
+
+    @property
+    def auto_budget(self) -> bool:
+        return self.spec.auto
+
+    @property
+    def lookup(self) -> bool:
+        return self.spec.lookup
+
+    @property
+    def store(self) -> bool:
+        return self.spec.store
+
+    @property
     def ui_strategy(self) -> str:
-        """The strategy as the panel and the API name it (dynamic:auto, dynamic:auto+lookup, ...)."""
-        if self.strategy == HYDRA:
-            return HYDRA_LOOKUP_STRATEGY if self.lookup else HYDRA_AUTO_STRATEGY if self.auto_budget else HYDRA
-        if self.strategy == DYNAMIC and self.store:
-            return STORE_STRATEGY
-        if self.strategy == DYNAMIC and self.lookup:
-            return LOOKUP_STRATEGY
-        if self.strategy == DYNAMIC and self.auto_budget:
-            return AUTO_STRATEGY
-        return self.strategy
+        """The strategy as the panel and the API name it (the grammar's printer)."""
+        return self.spec.text
 
     @property
     def strategy_label(self) -> str:
-        if self.strategy not in TREE_STRATEGIES:
-            return self.strategy
-        label = f"{self.strategy} (auto budget ≤ {self.budget})" if self.auto_budget else self.strategy
-        label = label + " + prompt lookup" if self.lookup else label
-        return label + " + datastore" if self.store else label
+        """The strategy for a reader, with this run's budget (the grammar's label)."""
+        return self.spec.with_budget(self.budget).label
 
     def raw(self) -> dict[str, object]:
         """The UI/API values, by name in SETTING_NAMES order (the inverse of `parse_settings`)."""
@@ -153,6 +149,18 @@ def _choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> s
     return value
 
 
+def _strategy(value: object) -> StrategySpec:
+    """One of the panel's strategies, in the grammar (`autoregressive` and `ar` alike)."""
+    try:
+        spec = parse_strategy(value)
+    except StrategyError as error:
+        raise LabInputError(f"strategy: {error}") from None
+    if spec.text not in UI_STRATEGIES:
+        raise LabInputError(f"strategy must be one of {', '.join(UI_STRATEGIES)} (the node budget is its own "
+                            f"setting), got {show(value)}")
+    return spec
+
+
 def _preset(value: object) -> str:
     presets = load_named_trees()
     if not isinstance(value, str) or (value not in presets and value != CUSTOM_TREE):
@@ -162,7 +170,7 @@ def _preset(value: object) -> str:
 
 # One checker per setting, in SETTING_NAMES order: raw value -> checked value.
 CHECKS: dict[str, Callable[[object], object]] = {
-    "strategy": lambda v: _choice("strategy", v, UI_STRATEGIES),
+    "strategy": _strategy,
     "budget": lambda v: _as_int("node budget", v, 1, MAX_BUDGET),
     "top_m": lambda v: _as_int("top-m", v, 1, MAX_TOP_M),
     "depth": lambda v: _as_int("depth", v, 1, MAX_DEPTH),
@@ -190,14 +198,10 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
     checked = {name: CHECKS[name](raw[name]) for name in SETTING_NAMES}
     if checked["rule"] == "greedy" and checked["temperature"] > 0:
         raise LabInputError("the greedy rule needs temperature 0; pick typical or speculative acceptance to sample")
-    strategy = checked.pop("strategy")
+    spec = checked.pop("strategy")
     custom = checked.pop("custom_tree")
     paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
-    auto = strategy in AUTO_STRATEGIES
-    family = strategy.split(":")[0]
-    return Settings(strategy=family, auto_budget=auto,
-                    lookup=strategy in LOOKUP_STRATEGIES, store=strategy == STORE_STRATEGY,
-                    custom_tree=paths, **checked)
+    return Settings(spec=spec, custom_tree=paths, **checked)
 
 
 def _custom_tree_value(text: object) -> object:
@@ -275,16 +279,12 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     if settings.depth > num_heads:
         raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
     dynamic = settings.strategy == DYNAMIC
-    grown = settings.strategy in TREE_STRATEGIES  # dynamic or Hydra: auto budget and chains apply
     uses_fixed = settings.strategy == FIXED or (settings.compare_fixed and dynamic)
     if settings.fixed_preset == CUSTOM_TREE:
         _check_custom_depth(settings, num_heads)
     tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
     accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
-    config = DecodeConfig(strategy=settings.strategy, budget=settings.budget, top_m=settings.top_m,
-                          depth=settings.depth, fixed_tree=tree, accept=accept,
-                          max_new_tokens=settings.max_new_tokens, compare_fixed=settings.compare_fixed and dynamic,
-                          auto_budget=settings.auto_budget and grown,
-                          lookup_tokens=CHAIN_TOKENS if settings.lookup and grown else 0,
-                          store_tokens=STORE_TOKENS if settings.store and grown else 0)
+    base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
+                        compare_fixed=settings.compare_fixed and dynamic)
+    config = replace(strategy_config(settings.spec.with_budget(settings.budget), base), fixed_tree=tree)
     return config, note if uses_fixed else ""

@@ -28,17 +28,15 @@ import transformers
 from tqdm import tqdm
 
 from core.accept import AcceptConfig
-from core.decoder import DecodeConfig, decode
+from core.decoder import DecodeConfig, decode, strategy_config
 from core.exactness import divergence_from_margins, plain_margins
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
 from core.drafters.hydra import HydraHeads, default_hydra_heads, load_hydra_heads
-from core.drafters.datastore import STORE_TOKENS
-from core.drafters.lookup import CHAIN_TOKENS
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA
+from core.strategy import AUTOREGRESSIVE, HF, HYDRA, LOOKUP_TOKENS
+from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, fast_bf16, load_base_model, precision_choice
 from core.sampling import SamplingConfig
-from core.tree import fixed_tree
 
 DEFAULT_STRATEGIES = "ar,fixed:mc_sim_7b_63,dynamic:63"
 PHASES = ("heads", "tree", "verify", "accept", "commit")
@@ -91,53 +89,21 @@ def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0
     return prompts[:limit] if limit else prompts
 
 
-def split_engine(spec: str) -> tuple[str, str | None]:
-    """A spec without its `@lean` / `@hf` suffix, and the forward it asks for (None: the run's default)."""
-    strategy, at, engine = spec.rpartition("@")
-    if not at:
-        return spec, None
-    if engine not in ("lean", "hf"):
-        raise ValueError(f"unknown forward {engine!r} in {spec!r}: use @lean or @hf")
-    return strategy, engine
-
-
 def engine_of(spec: str) -> str | None:
     """The forward a spec asks for with an `@lean` / `@hf` suffix (None: the run's default)."""
-    return split_engine(spec)[1]
+    return parse_strategy_spec(spec).engine
 
 
 def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
     """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers.
-    An `@hf` / `@lean` suffix (e.g. `ar@hf`) runs the strategy on that forward (see `engine_of`)."""
-    kind, _, arg = split_engine(spec)[0].partition(":")
-    if kind == "ar":
-        return replace(base_config, strategy=AUTOREGRESSIVE)
-    if kind == "fixed":
-        name = arg or "mc_sim_7b_63"
-        if name.endswith(".json"):
-            choices = json.loads(Path(name).read_text())
-            fixed_tree(choices)  # validate early
-            return replace(base_config, strategy=FIXED, fixed_tree=tuple(tuple(p) for p in choices))
-        return replace(base_config, strategy=FIXED, fixed_tree=name)
-    if kind in (DYNAMIC, HYDRA):
-        size, *extras = arg.split("+")
-        unknown = set(extras) - {"lookup", "store"}
-        if unknown:
-            raise ValueError(f"unknown addition {sorted(unknown)} in {spec!r}: only +lookup and +store")
-        chains = dict(lookup_tokens=CHAIN_TOKENS if "lookup" in extras else 0,
-                      store_tokens=STORE_TOKENS if "store" in extras else 0)
-        if size == "auto":
-            return replace(base_config, strategy=kind, budget=63, auto_budget=True, **chains)
-        return replace(base_config, strategy=kind, budget=int(size) if size else 63, **chains)
-    if kind == "hf" and arg in ("greedy", "prompt_lookup"):
-        return spec
-    raise ValueError(f"unknown strategy {spec!r}: use ar, fixed:<name>, dynamic:<n>[+lookup][+store], "
-                     "dynamic:auto[+lookup][+store], hydra:<n>|auto[+lookup][+store], hf:greedy, hf:prompt_lookup")
+    The grammar is core.strategy's; an `@hf` / `@lean` suffix runs the strategy on that forward."""
+    parsed = parse_strategy_spec(spec)
+    return spec if parsed.family == HF else strategy_config(parsed, base_config)
 
 
 @torch.inference_mode()
 def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: int) -> tuple[list[int], float]:
-    extra = {"prompt_lookup_num_tokens": CHAIN_TOKENS} if spec == "hf:prompt_lookup" else {}
+    extra = {"prompt_lookup_num_tokens": LOOKUP_TOKENS} if spec == "hf:prompt_lookup" else {}
     start = time.perf_counter()
     out = base.model.generate(torch.tensor([prompt_ids], device=base.device), max_new_tokens=max_new_tokens,
                               do_sample=False, eos_token_id=sorted(base.eos_token_ids), **extra)
@@ -331,7 +297,7 @@ def main() -> None:
     rule = "greedy" if sampling.greedy else args.rule
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,
                           accept=AcceptConfig(rule=rule, sampling=sampling))
-    specs = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    specs = [parse_strategy_spec(s).text for s in args.strategies.split(",") if s.strip()]  # canonical
     prompts = read_prompts(args.prompts, args.limit, args.stride, args.offset)
     head = {
         "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride, "offset": args.offset,

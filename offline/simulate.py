@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from core.drafters.medusa import DraftProjection, MedusaHeads, default_heads
 from core.model import BaseModel, ModelConfig, load_base_model
+from core.strategy import DEFAULT_FIXED_TREE, DYNAMIC, FIXED, StrategyError, parse_strategy
 from core.tree import CandidateTree, dynamic_tree, named_tree
 
 
@@ -34,13 +35,14 @@ class TreeSpec:
     budget: int = 0
 
 
-def parse_tree_spec(spec: str) -> TreeSpec:
-    kind, _, arg = spec.partition(":")
-    if kind == "fixed":
-        return TreeSpec(label=spec, fixed=named_tree(arg or "mc_sim_7b_63"))
-    if kind == "dynamic":
-        return TreeSpec(label=spec, budget=int(arg or 63))
-    raise ValueError(f"unknown tree spec {spec!r}")
+def parse_tree_spec(text: str) -> TreeSpec:
+    """A tree to simulate from a strategy in the one grammar: `fixed[:<name>]` or `dynamic[:<budget>]`."""
+    spec = parse_strategy(text)
+    if spec.family == FIXED:
+        return TreeSpec(label=spec.text, fixed=named_tree(spec.tree or DEFAULT_FIXED_TREE))
+    if spec.family == DYNAMIC and not (spec.auto or spec.lookup or spec.store or spec.engine):
+        return TreeSpec(label=spec.text, budget=spec.node_budget)
+    raise StrategyError(f"the simulator replays fixed and dynamic:<budget> trees over recorded answers, not {text!r}")
 
 
 @torch.inference_mode()

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from core.drafters.medusa import MedusaHeads, default_heads
 from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
 from core.model import BaseModel, fast_bf16
-from offline.simulate import TreeSpec, simulate
+from core.strategy import DYNAMIC, HYDRA, StrategySpec
+from offline.simulate import parse_tree_spec, simulate
 from core.tree import CandidateTree
 from offline.train import (Features, TrainConfig, draft_coverage, draft_loss, features_fingerprint, fit, frequency_vocab,
                         parse_config,
@@ -150,7 +151,7 @@ def hydra_tokens_per_step(base: BaseModel, heads: HydraHeads, rows: list[dict], 
                 steps, emitted, i = steps + 1, emitted + step, i + step
             totals[budget][0] += steps
             totals[budget][1] += emitted
-    return {f"hydra:{b}": e / s for b, (s, e) in totals.items() if s}
+    return {StrategySpec(family=HYDRA, budget=b).text: e / s for b, (s, e) in totals.items() if s}
 
 
 def _cut(grown: GrownTree, budget: int) -> GrownTree:
@@ -178,7 +179,7 @@ def hydra_report(base: BaseModel, heads: nn.Module, sets: dict[str, list[dict]])
 
 
 def _medusa_tokens(base: BaseModel, medusa: MedusaHeads, rows: list[dict]) -> dict[str, float]:
-    specs = [TreeSpec(label=f"medusa dynamic:{b}", budget=b) for b in BUDGETS]
+    specs = [parse_tree_spec(StrategySpec(family=DYNAMIC, budget=b).text) for b in BUDGETS]
     return simulate(base, medusa, rows, specs)
 
 

@@ -20,7 +20,8 @@ import app  # noqa: E402  (builds the Blocks; launches nothing)
 import labstate  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
-from core.records import DYNAMIC, LOOKUP, PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
+from core.records import PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
+from core.strategy import DYNAMIC, LOOKUP, StrategySpec  # noqa: E402
 from core.tree import CandidateTree, fixed_tree  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),
@@ -221,8 +222,8 @@ def test_decode_config_cuts_deep_fixed_trees_and_rejects_missing_heads():
         labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 5}), num_heads=4)
 
 
-FP32_DYNAMIC = labstate.Settings(budget=8, max_new_tokens=6, compare_fixed=False, precision="fp32",
-                                 auto_budget=False, lookup=False)
+FP32_DYNAMIC = labstate.Settings(spec=StrategySpec(DYNAMIC), budget=8, max_new_tokens=6, compare_fixed=False,
+                                 precision="fp32")
 
 
 def test_greedy_check_reports_a_divergence_with_its_logit_gap():

@@ -9,7 +9,8 @@ import torch
 from core.budget.controller import AutoBudget
 from core.drafters.interface import Chain, HeadProposal
 from core.budget.cost_profile import CostProfile, DepthCalibration
-from core.records import DYNAMIC, PhaseTimes, StepRecord, TreeOutcome
+from core.records import PhaseTimes, StepRecord, TreeOutcome
+from core.strategy import DYNAMIC
 from core.tree import CandidateTree
 from core.tree_policy import DraftTree, build_draft_tree
 

@@ -123,7 +123,7 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
     tokens (fp32), two rows, the ratio of the two is the engine's speed-up in one run."""
     from offline.bench import Prompt, benchmark, engine_of, parse_strategy
     from core.decoder import DecodeConfig
-    from core.records import AUTOREGRESSIVE
+    from core.strategy import AUTOREGRESSIVE
     from tests.tiny import tiny_base, tiny_heads
 
     assert engine_of("dynamic:auto+lookup@hf") == "hf" and engine_of("ar") is None

@@ -1,7 +1,7 @@
 """Colours and sizes shared by every view (chosen to read well on a projector)."""
 from __future__ import annotations
 
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
+from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
 
 ACCEPTED = "#15803d"  # green: head guesses the base model confirmed
 BONUS = "#ea580c"  # orange: the base model's own token after the accepted path

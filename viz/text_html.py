@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from core.records import LOOKUP
+from core.strategy import LOOKUP
 from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
 from viz.style import STEP_CYCLE
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.records import AUTOREGRESSIVE, DYNAMIC, FIXED
+from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED
 from viz import style
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, plain_rate
-from core.records import AUTOREGRESSIVE, LOOKUP, StepRecord
+from core.records import StepRecord
+from core.strategy import AUTOREGRESSIVE, LOOKUP
 from core.tree_policy import DraftTree
 
 WINDOW = 96  # records the rates are read from

@@ -33,7 +33,6 @@ from core.model import REPO_ROOT
 KEY_TOKENS = 12  # suffixes are sorted on this many tokens: matches + continuations up to it
 MAX_MATCH = 6
 MIN_MATCH = 3  # two-token matches are everywhere in 406k tokens and predict little
-STORE_TOKENS = 8  # the chain length the benchmark and the app use
 MAX_OCCURRENCES = 128  # occurrences read per search: an evenly spaced sample of all of them
 SEPARATOR = -1  # between answers: no match or continuation crosses it
 SHIPPED_ANSWERS = REPO_ROOT / "assets" / "distill" / "distill.jsonl.gz"

@@ -27,8 +27,8 @@ from core.drafters.medusa import DraftProjection, MedusaHeads
 from core.drafters.hydra import GrownTree, HydraHeads, grow_tree
 from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
 from core.model import BaseModel, fast_bf16
+from core.strategy import MAX_CHAIN_TOKENS
 
-MAX_CHAIN_TOKENS = 32
 
 
 def drafting_dtype(base: BaseModel) -> torch.dtype:

@@ -20,7 +20,6 @@ from typing import Sequence
 
 
 MAX_NGRAM = 3
-CHAIN_TOKENS = 10  # the chain length the benchmark and the app use, as transformers' prompt_lookup_num_tokens
 # prior chance that a chain found by an n-gram match is right at depth 1; deeper tokens decay
 PRIOR_FIRST = {1: 0.2, 2: 0.35, 3: 0.5}
 PRIOR_DECAY = 0.85

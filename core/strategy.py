@@ -1,0 +1,163 @@
+"""The one strategy grammar: a spec type, its parser, its printer and its label.
+
+    ar | autoregressive                         plain decoding (the yardstick)
+    fixed[:<tree name or JSON file>]            Medusa's fixed tree
+    dynamic[:<budget>|auto][+lookup][+store]    the dynamic tree from the heads' joint probabilities
+    hydra[:<budget>|auto][+lookup][+store]      the tree Hydra heads grow node by node
+    hf:greedy | hf:prompt_lookup                transformers' own generate, as peers (benchmark only)
+    any of them + @lean | @hf                   on the lean forward or transformers' (benchmark only)
+
+`auto` sizes the tree every step (the budget is then the cap); `+lookup` adds a prompt-lookup
+chain, `+store` datastore branches. The UI, labstate, the benchmark, the simulator, the training
+reports and the scripts all read and write strategies through `parse_strategy` and
+`StrategySpec.text`. This module imports nothing heavy (no torch): replay draws with it too.
+The limits every caller checks against live here as well, checked once in `StrategySpec`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# step kinds and decoding families (the values StepRecord.strategy and DecodeConfig.strategy take)
+AUTOREGRESSIVE = "autoregressive"
+FIXED = "fixed"
+DYNAMIC = "dynamic"
+HYDRA = "hydra"  # a tree grown node by node by Hydra heads (core.drafters.hydra)
+LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (a step kind, not a family)
+HF = "hf"  # transformers' generate as a peer (benchmark only)
+STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, HYDRA)
+TREE_STRATEGIES = (DYNAMIC, HYDRA)  # the families that take chains and the adaptive budget
+HF_PEERS = ("greedy", "prompt_lookup")
+ENGINES = ("lean", "hf")
+ADDITIONS = ("lookup", "store")
+
+# defaults and limits, said once
+DEFAULT_BUDGET = 63
+DEFAULT_FIXED_TREE = "mc_sim_7b_63"
+MAX_BUDGET = 256
+MAX_TOP_M = 64
+MAX_NEW_TOKENS = 1024
+MAX_CHAIN_TOKENS = 32  # prompt-lookup chain and datastore branch length
+LOOKUP_TOKENS = 10  # the chain `+lookup` adds (transformers' prompt_lookup_num_tokens is 10 too)
+STORE_TOKENS = 8  # the length of each branch `+store` adds
+
+GRAMMAR = ("ar, fixed[:<tree>], dynamic[:<n>|auto][+lookup][+store], hydra[:<n>|auto][+lookup][+store], "
+           "hf:greedy, hf:prompt_lookup, each optionally @lean or @hf")
+
+
+class StrategyError(ValueError):
+    """A strategy text that is not in the grammar (the message says what is)."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One decoding strategy. `budget` None means the default (the cap when `auto`)."""
+
+    family: str = DYNAMIC
+    budget: int | None = None
+    auto: bool = False
+    lookup: bool = False
+    store: bool = False
+    tree: str = ""  # fixed: a tree name or a JSON file of rank paths ("" = the default tree)
+    peer: str = ""  # hf: greedy or prompt_lookup
+    engine: str | None = None  # lean or hf (None: the run's default forward)
+
+    def __post_init__(self) -> None:
+        if self.family not in STRATEGIES + (HF,):
+            raise StrategyError(f"unknown strategy family {self.family!r}: use {GRAMMAR}")
+        grown = self.family in TREE_STRATEGIES
+        if (self.auto or self.lookup or self.store or self.budget is not None) and not grown:
+            raise StrategyError(f"{self.family} takes no budget, auto, +lookup or +store (only dynamic and hydra do)")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or not 1 <= self.budget <= MAX_BUDGET):
+            raise StrategyError(f"the node budget must be a whole number from 1 to {MAX_BUDGET}, got {self.budget!r}")
+        if self.tree and self.family != FIXED:
+            raise StrategyError("only the fixed strategy names a tree")
+        if (self.family == HF) != bool(self.peer) or (self.peer and self.peer not in HF_PEERS):
+            raise StrategyError(f"transformers' peers are hf:{' and hf:'.join(HF_PEERS)}")
+        if self.engine is not None and self.engine not in ENGINES:
+            raise StrategyError(f"unknown forward @{self.engine}: use @lean or @hf")
+
+    @property
+    def text(self) -> str:
+        """The canonical spelling (`parse_strategy(spec.text) == spec`)."""
+        if self.family == AUTOREGRESSIVE:
+            body = "ar"
+        elif self.family == HF:
+            body = f"hf:{self.peer}"
+        elif self.family == FIXED:
+            body = f"fixed:{self.tree}" if self.tree else FIXED
+        else:
+            size = "auto" if self.auto else "" if self.budget is None else str(self.budget)
+            body = self.family + (f":{size}" if size else "")
+            body += "+lookup" * self.lookup + "+store" * self.store
+        return body + (f"@{self.engine}" if self.engine else "")
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def label(self) -> str:
+        """What a reader sees: `dynamic (auto budget) + prompt lookup`, `Hydra tree`, ..."""
+        if self.family == AUTOREGRESSIVE:
+            name = "autoregressive"
+        elif self.family == HF:
+            name = f"transformers' generate ({self.peer.replace('_', ' ')})"
+        elif self.family == FIXED:
+            name = f"fixed ({self.tree})" if self.tree else "fixed"
+        else:
+            name = "Hydra tree" if self.family == HYDRA else "dynamic"
+            cap = f" ≤ {self.budget}" if self.budget is not None else ""
+            name += f" (auto budget{cap})" if self.auto else f" ({self.budget} nodes)" if self.budget else ""
+            name += " + prompt lookup" * self.lookup + " + datastore" * self.store
+        forward = {"lean": "the lean forward", "hf": "transformers' forward"}.get(self.engine or "")
+        return f"{name} on {forward}" if forward else name
+
+    @property
+    def grown(self) -> bool:
+        """Dynamic or Hydra: the families that take the adaptive budget and chains."""
+        return self.family in TREE_STRATEGIES
+
+    @property
+    def node_budget(self) -> int:
+        return DEFAULT_BUDGET if self.budget is None else self.budget
+
+    def with_budget(self, budget: int | None) -> StrategySpec:
+        """The same strategy with another node budget (ignored by families that take none)."""
+        return replace(self, budget=budget) if self.grown else self
+
+
+def _size(text: str, spec_text: str) -> tuple[int | None, bool]:
+    if text in ("", "auto"):
+        return None, text == "auto"
+    if not text.isdigit():
+        raise StrategyError(f"{spec_text!r}: the node budget must be a whole number or auto, got {text!r}")
+    return int(text), False
+
+
+def parse_strategy(text: object) -> StrategySpec:
+    """The spec a strategy text names; StrategyError (a ValueError) with the grammar otherwise."""
+    if not isinstance(text, str) or not text.strip():
+        raise StrategyError(f"a strategy must be a non-empty text: {GRAMMAR}")
+    spec_text = text.strip()
+    body, at, engine = spec_text.rpartition("@")
+    if not at:
+        body, engine = spec_text, None
+    elif engine not in ENGINES:
+        raise StrategyError(f"unknown forward {engine!r} in {spec_text!r}: use @lean or @hf")
+    family, _, arg = body.partition(":")
+    if family in ("ar", AUTOREGRESSIVE) and not arg:
+        return StrategySpec(family=AUTOREGRESSIVE, engine=engine)
+    if family == HF:
+        return StrategySpec(family=HF, peer=arg, engine=engine)
+    if family == FIXED:
+        return StrategySpec(family=FIXED, tree=arg, engine=engine)
+    if family in TREE_STRATEGIES:
+        size, *extras = arg.split("+") if arg else ("",)
+        unknown = [e for e in extras if e not in ADDITIONS]
+        if unknown or len(set(extras)) != len(extras):
+            raise StrategyError(f"unknown or repeated addition {unknown or extras} in {spec_text!r}: only +lookup "
+                                "and +store, once each")
+        budget, auto = _size(size, spec_text)
+        return StrategySpec(family=family, budget=budget, auto=auto, lookup="lookup" in extras,
+                            store="store" in extras, engine=engine)
+    raise StrategyError(f"unknown strategy {spec_text!r}: use {GRAMMAR}")
