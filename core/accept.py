@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from core.strategy import ACCEPT_RULES
 from core.sampling import SamplingConfig, next_token, sampling_probs
 from core.tree import CandidateTree
 from core.verify import VerifyOutput
 
-RULES = ("greedy", "typical", "speculative")
+RULES = ACCEPT_RULES
 
 
 @dataclass(frozen=True)

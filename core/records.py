@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from core.strategy import HYDRA
 from core.tree import CandidateTree
 
+
 @dataclass(frozen=True)
 class PhaseTimes:
     """Wall seconds per phase of one step."""

@@ -31,6 +31,7 @@ ENGINES = ("lean", "hf")
 ADDITIONS = ("lookup", "store")
 
 # defaults and limits, said once
+ACCEPT_RULES = ("greedy", "typical", "speculative")  # core.accept: how a tree's path is accepted
 DEFAULT_BUDGET = 63
 DEFAULT_FIXED_TREE = "mc_sim_7b_63"
 MAX_BUDGET = 256

@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: a recorded tree is drawn without it (replay)
+    import torch
 
 TREES_FILE = Path(__file__).resolve().parent.parent / "assets" / "trees.json"
 
@@ -101,8 +102,19 @@ class CandidateTree:
             chains.append(chains[self.parents[node]] + [node])
         return chains
 
+    def mask_rows(self) -> list[list[bool]]:
+        """The attention mask as lists ([n+1][n+1]: row i true on i and its ancestors), without torch."""
+        size = self.num_nodes + 1
+        rows = [[False] * size for _ in range(size)]
+        for node, chain in enumerate(self._chains):
+            for ancestor in chain:
+                rows[node][ancestor] = True
+        return rows
+
     def buffers(self) -> TreeBuffers:
         """Attention mask, position ids and retrieve indices (not cached: records stay small)."""
+        import torch
+
         size = self.num_nodes + 1
         chains = self._chains
         rows = torch.tensor([node for node, chain in enumerate(chains) for _ in chain])
@@ -123,6 +135,8 @@ class CandidateTree:
 
         head_token_ids: long [K, m], each head's top-m token ids, best first.
         """
+        import torch
+
         if self.num_nodes == 0:
             return torch.tensor([root_token], dtype=torch.long, device=head_token_ids.device)
         heads = torch.tensor([len(p) - 1 for p in self.paths], device=head_token_ids.device)  # [n]

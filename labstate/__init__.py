@@ -1,34 +1,51 @@
 """Per-user lab state and the few services the UI calls, one concern per module.
 
 No gradio and no plotting here (app.py wires events, viz/ draws):
-- `settings`: the settings said once (`SETTING_NAMES`, `Settings`, `parse_settings`) and the DecodeConfig they map to;
-- `prompt`: prompt clean-up; `errors`: the messages a user sees instead of tracebacks; `limits`: accepted sizes;
-- `runtime`: the shared read-only model and heads per precision, the verify-cost profile, token bytes;
-- `runs`: a run (prepare, prefill, step); `sessions`: per-user `LabState` in a bounded `SessionRegistry`;
-- `plain`: plain decoding as the yardstick (greedy reference, check, speed against plain).
+- `settings`: the settings said once (`SETTING_NAMES`, `Settings`, `parse_settings`), strategies in
+  core's one grammar; `prompt`: prompt clean-up; `errors`: the messages a user sees instead of
+  tracebacks; `limits`: accepted sizes;
+- `shared`: the shared read-only model and heads per precision, the verify-cost profile, token bytes;
+- `runs`: a run (prepare: check, tokenize, the DecodeConfig); `sessions`: per-user `LabState` in a
+  bounded `SessionRegistry`; `plain`: plain decoding as the yardstick (greedy reference, check,
+  speed against plain); `lifecycle`: Start, Step, Run to end, Stop, Reset, Check, a run's facts
+  for the views and its JSON trace;
+- `replay`: recorded runs (traces and the gallery) stepped without a model: imports no torch.
+
+Names are loaded on first use (`labstate.parse_settings` imports `labstate.settings` only), so the
+replay-only page imports neither torch nor transformers.
 """
 from __future__ import annotations
 
-from labstate.errors import LabInputError, LabNotice, SessionExpired
-from labstate.limits import MAX_CUSTOM_TREE_NODES, MAX_TEMPERATURE
-from labstate.plain import (GreedyCheck, PlainComparison, Reference, ar_baseline, compute_check, greedy_check,
-                            reference, require_run, speed_vs_plain)
-from labstate.prompt import sanitize_prompt
-from labstate.runs import (PAUSED, READY, RUNNING, STOPPED, Prepared, Run, prepare, start_prepared, start_run,
-                           step_run, wait_idle)
-from labstate.runtime import _PROFILES, Runtime, cost_profile, measure_forward_seconds, runtime
-from labstate.sessions import LabState, SessionRegistry
-from labstate.settings import (AUTO_STRATEGY, CUSTOM_TREE, LOOKUP_STRATEGY, PRECISIONS, SETTING_NAMES, STORE_STRATEGY,
-                               STRATEGY_HELP, STRATEGY_LABELS, UI_STRATEGIES, Settings, decode_config, fixed_choice,
-                               parse_custom_tree, parse_settings)
-from core.tree import load_named_trees
+import importlib
+from typing import Any
 
-__all__ = [
-    "LabInputError", "LabNotice", "SessionExpired", "MAX_CUSTOM_TREE_NODES", "MAX_TEMPERATURE", "GreedyCheck",
-    "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check", "reference", "require_run",
-    "speed_vs_plain", "sanitize_prompt", "PAUSED", "READY", "RUNNING", "STOPPED", "Prepared", "Run", "prepare",
-    "start_prepared", "start_run", "step_run", "wait_idle", "_PROFILES", "Runtime", "cost_profile", "measure_forward_seconds",
-    "runtime", "LabState", "SessionRegistry", "AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "STORE_STRATEGY", "PRECISIONS",
-    "SETTING_NAMES", "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "decode_config",
-    "fixed_choice", "parse_custom_tree", "parse_settings", "load_named_trees",
-]
+_HOMES = {
+    "errors": ("LabInputError", "LabNotice", "SessionExpired"),
+    "limits": ("MAX_CUSTOM_TREE_NODES", "MAX_TEMPERATURE"),
+    "prompt": ("sanitize_prompt",),
+    "settings": ("AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "PRECISIONS", "SETTING_NAMES", "STORE_STRATEGY",
+                 "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "load_named_trees", "machine_precision",
+                 "parse_custom_tree", "parse_settings"),
+    "shared": ("_PROFILES", "Runtime", "cost_profile", "measure_forward_seconds", "runtime"),
+    "modes": ("PAUSED", "READY", "RUNNING", "STOPPED"),
+    "runs": ("Prepared", "Run", "decode_config", "fixed_choice", "prepare"),
+    "sessions": ("LabState", "SessionRegistry"),
+    "plain": ("GreedyCheck", "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check",
+              "reference", "speed_vs_plain"),
+    "lifecycle": ("check_now", "decoding_state", "ensure_run", "export_trace", "facts_of", "require_run", "reset",
+                  "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run", "step_once", "step_run", "stop", "wait_idle"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    """`labstate.X` for every public name, imported from its module on first use."""
+    if name in _HOMES:  # a submodule (tests patch `labstate.plain`)
+        return importlib.import_module(f"labstate.{name}")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'labstate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"labstate.{module}"), name)
+    globals()[name] = value
+    return value

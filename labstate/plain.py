@@ -12,10 +12,9 @@ from core.decoder import DecodeConfig, decode
 from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
 from core.budget.cost_profile import CostProfile
 from core.strategy import AUTOREGRESSIVE
-from labstate.errors import LabNotice
 from labstate.limits import MAX_REFERENCES
-from labstate.runtime import _PROFILES
-from viz.timing_plot import ArBaseline
+from labstate.shared import _PROFILES
+from viz.facts import ArBaseline
 
 if TYPE_CHECKING:
     from labstate.runs import Run
@@ -107,13 +106,6 @@ def greedy_check(lab: LabState, run: Run) -> GreedyCheck:
         steps = f" = {gap / bf16_rounding_step(ref.margins[position][0]):.0f} bf16 rounding steps"
     return GreedyCheck("diff", f"differs at token {position + 1} (plain top-2 logit gap {gap:.3g}{steps}: "
                                "a near-tie that tree and single-token forwards round differently)", position, gap)
-
-
-def require_run(lab: LabState | None) -> Run:
-    """The current run, or a notice that there is none yet."""
-    if lab is None or lab.run is None:
-        raise LabNotice("Nothing to check yet: press Start or Step first.")
-    return lab.run
 
 
 def ar_baseline(lab: LabState, run: Run) -> ArBaseline:

@@ -1,23 +1,19 @@
 """A run: one prompt decoded with fixed settings, started (checked, tokenized, prefilled) and stepped."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
-from core.decoder import DecodeConfig, DecodeSession, start_session
-from core.records import StepRecord
-from core.strategy import AUTOREGRESSIVE
-from labstate.errors import LabInputError, LabNotice
-from core.strategy import MAX_BUDGET, MAX_NEW_TOKENS
-from labstate.limits import MAX_PROMPT_TOKENS, STEP_LOCK_TIMEOUT_S
-from labstate.runtime import Runtime, cost_profile, measure_forward_seconds, runtime
-from labstate.settings import Settings, decode_config
+from core.accept import AcceptConfig
+from core.decoder import DecodeConfig, DecodeSession, strategy_config
+from core.sampling import SamplingConfig
+from core.strategy import DYNAMIC, FIXED, MAX_BUDGET, MAX_NEW_TOKENS
+from core.tree import load_named_trees
+from labstate.errors import LabInputError
+from labstate.limits import MAX_PROMPT_TOKENS
+from labstate.modes import READY, RUNNING, STOPPED
+from labstate.shared import Runtime, runtime
+from labstate.settings import CUSTOM_TREE, CUSTOM_TREE_EXAMPLE, Settings
 
-if TYPE_CHECKING:
-    from labstate.sessions import LabState
-
-# What the run is doing, for the status card (finished comes from the session itself).
-READY, PAUSED, RUNNING, STOPPED = "ready", "paused", "running", "stopped"
 
 
 @dataclass
@@ -81,66 +77,35 @@ def prepare(prompt: object, settings: Settings) -> Prepared:
     return Prepared(prompt=prompt, settings=settings, runtime=rt, prompt_ids=prompt_ids, config=config, note=note)
 
 
-def acquire(lab: LabState) -> None:
-    """Take the user's step lock (a session is not thread-safe); LabNotice when a step holds it too long."""
-    if not lab.lock.acquire(timeout=STEP_LOCK_TIMEOUT_S):
-        raise LabNotice("Still busy with the previous step; try again in a moment.")
+def fixed_choice(preset: str, depth: int, custom: tuple[tuple[int, ...], ...] = ()) -> tuple[str | tuple, str]:
+    """The fixed tree for `depth` heads: the named preset (or the custom paths), cut at `depth` with a note."""
+    paths = custom if preset == CUSTOM_TREE else load_named_trees()[preset]
+    if max(len(p) for p in paths) <= depth:
+        return (tuple(paths) if preset == CUSTOM_TREE else preset), ""
+    kept = tuple(tuple(p) for p in paths if len(p) <= depth)
+    return kept, f"fixed tree {preset} cut to depth {depth} ({len(kept)} of {len(paths)} nodes)"
 
 
-def start_prepared(lab: LabState, prepared: Prepared) -> Run:
-    """Prefill a prepared prompt and make it the current run (the previous run is dropped).
-
-    Tree strategies also load the verify-cost profile (measured once per precision, then cached on
-    disk): auto budget sizes trees with it, and the page explains speed against plain decoding with it.
-    """
-    rt, config = prepared.runtime, prepared.config
-    profile = cost_profile(rt) if config.strategy != AUTOREGRESSIVE else None
-    lab.interrupt()  # a Run loop on the previous run stops
-    acquire(lab)
-    try:
-        session = start_session(rt.base, rt.heads_for(config.strategy), prepared.prompt_ids, config,
-                                profile if config.auto_budget else None)
-        precision = prepared.settings.precision
-        if precision not in lab.forward_seconds:
-            lab.forward_seconds[precision] = measure_forward_seconds(rt.base, session.prompt_ids)
-    except ValueError as error:  # core's own checks (prompt too long for the context, tree too deep)
-        raise LabInputError(str(error)) from error
-    finally:
-        lab.lock.release()
-    lab.run = Run(prompt=prepared.prompt, settings=prepared.settings, runtime=rt, session=session,
-                  note=prepared.note)
-    return lab.run
+def _check_custom_depth(settings: Settings, num_heads: int) -> None:
+    if not settings.custom_tree:
+        raise LabInputError(f"custom tree is empty: give at least one rank path, {CUSTOM_TREE_EXAMPLE}")
+    deepest = max(settings.custom_tree, key=len)
+    if len(deepest) > num_heads:
+        raise LabInputError(f"custom tree: path {list(deepest)} is {len(deepest)} deep but only {num_heads} "
+                            f"heads are loaded")
 
 
-def start_run(lab: LabState, prompt: object, settings: Settings) -> Run:
-    """Check, tokenize and prefill `prompt` and make it the current run."""
-    return start_prepared(lab, prepare(prompt, settings))
-
-
-def _finished_notice(run: Run) -> LabNotice:
-    return LabNotice(f"Decoding has finished ({run.session.stop_reason}). Press Start for a new run.")
-
-
-def step_run(lab: LabState, run: Run, epoch: int | None = None) -> StepRecord | None:
-    """One decoding step of `run` (serialised per user).
-
-    With `epoch` (the state's epoch when the step was asked for), a step that waited for the lock
-    while Stop, Start or Reset happened is dropped: None, nothing stepped.
-    """
-    if run.session.finished:
-        raise _finished_notice(run)
-    acquire(lab)
-    try:
-        if epoch is not None and (lab.epoch != epoch or lab.run is not run):
-            return None
-        if run.session.finished:  # another request finished it while this one waited
-            raise _finished_notice(run)
-        return run.session.step()  # a finished session frees its own KV cache
-    finally:
-        lab.lock.release()
-
-
-def wait_idle(lab: LabState) -> None:
-    """Return once no step of this user is in flight (Stop waits for it, so the page shows what really ran)."""
-    acquire(lab)
-    lab.lock.release()
+def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str]:
+    """The core DecodeConfig for these settings, plus a note on any adjustment made."""
+    if settings.depth > num_heads:
+        raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
+    dynamic = settings.strategy == DYNAMIC
+    uses_fixed = settings.strategy == FIXED or (settings.compare_fixed and dynamic)
+    if settings.fixed_preset == CUSTOM_TREE:
+        _check_custom_depth(settings, num_heads)
+    tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
+    accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
+    base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
+                        compare_fixed=settings.compare_fixed and dynamic)
+    config = replace(strategy_config(settings.spec.with_budget(settings.budget), base), fixed_tree=tree)
+    return config, note if uses_fixed else ""

@@ -4,12 +4,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from labstate.errors import LabInputError, SessionExpired
-from labstate.plain import Reference
-from labstate.runs import STOPPED, Run
+from labstate.modes import STOPPED
+
+if TYPE_CHECKING:
+    from labstate.runs import Run
 
 
 @dataclass
@@ -17,7 +20,8 @@ class LabState:
     """Everything one user (browser tab or API client) owns. Kept in a SessionRegistry, never global."""
 
     run: Run | None = None
-    references: OrderedDict[tuple[str, str, int], Reference] = field(default_factory=OrderedDict)
+    # plain greedy runs (labstate.plain.Reference) by (prompt, precision, max new tokens)
+    references: OrderedDict[tuple[str, str, int], Any] = field(default_factory=OrderedDict)
     forward_seconds: dict[str, float] = field(default_factory=dict)  # precision -> one-token forward
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     epoch: int = 0  # bumped by Start, Stop, Reset and eviction: a running loop stops when it changes
@@ -44,6 +48,15 @@ class LabState:
     def leave(self) -> None:
         with self._count_lock:
             self.active -= 1
+
+    @contextmanager
+    def working(self) -> Iterator[LabState]:
+        """Mark the state busy (never evicted) while a handler works on it."""
+        self.enter()
+        try:
+            yield self
+        finally:
+            self.leave()
 
 
 class SessionRegistry:

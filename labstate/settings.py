@@ -6,21 +6,23 @@ parameters and its panel from it, and `parse_settings` reads raw values (any JSO
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from core.accept import RULES, AcceptConfig
-from core.decoder import DecodeConfig, strategy_config
-from core.model import default_precision
-from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HYDRA, StrategyError,
-                           MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, StrategySpec, parse_strategy)
-from core.sampling import SamplingConfig
+from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HYDRA,
+                           MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, StrategyError, StrategySpec, parse_strategy)
 from core.tree import fixed_tree, load_named_trees
 from labstate.errors import LabInputError, show
 from labstate.limits import MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DEPTH, MAX_TEMPERATURE
 
 PRECISIONS = ("fp32", "bf16")
-DEFAULT_PRECISION = default_precision()
+
+
+def machine_precision() -> str:
+    """The precision a run starts in: fp32 unless bf16 measured clearly faster here (measured once, cached)."""
+    from core.model import default_precision  # measured on first use: replay never loads torch for it
+
+    return default_precision()
 # The strategies the panel offers, in the one grammar (core.strategy); the node budget is its own slider.
 UI_SPECS = (StrategySpec(AUTOREGRESSIVE), StrategySpec(FIXED), StrategySpec(DYNAMIC),
             StrategySpec(DYNAMIC, auto=True), StrategySpec(DYNAMIC, auto=True, lookup=True),
@@ -61,7 +63,7 @@ class Settings:
     fixed_preset: str = DEFAULT_FIXED_TREE
     rule: str = "greedy"
     temperature: float = 0.0
-    precision: str = DEFAULT_PRECISION  # bf16 only where it measured clearly faster (core.model.precision_choice)
+    precision: str = field(default_factory=machine_precision)
     max_new_tokens: int = 128
     compare_fixed: bool = True
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
@@ -153,11 +155,11 @@ def _strategy(value: object) -> StrategySpec:
     """One of the panel's strategies, in the grammar (`autoregressive` and `ar` alike)."""
     try:
         spec = parse_strategy(value)
-    except StrategyError as error:
-        raise LabInputError(f"strategy: {error}") from None
-    if spec.text not in UI_STRATEGIES:
-        raise LabInputError(f"strategy must be one of {', '.join(UI_STRATEGIES)} (the node budget is its own "
-                            f"setting), got {show(value)}")
+    except StrategyError:
+        spec = None
+    if spec is None or spec.text not in UI_STRATEGIES:
+        raise LabInputError(f"strategy must be one of {', '.join(UI_STRATEGIES)}, got {show(value)} (the node "
+                            f"budget is its own setting)")
     return spec
 
 
@@ -175,7 +177,7 @@ CHECKS: dict[str, Callable[[object], object]] = {
     "top_m": lambda v: _as_int("top-m", v, 1, MAX_TOP_M),
     "depth": lambda v: _as_int("depth", v, 1, MAX_DEPTH),
     "fixed_preset": _preset,
-    "rule": lambda v: _choice("acceptance rule", v, tuple(RULES)),
+    "rule": lambda v: _choice("acceptance rule", v, ACCEPT_RULES),
     "temperature": lambda v: _as_float("temperature", v, 0.0, MAX_TEMPERATURE),
     "precision": lambda v: _choice("precision", v, PRECISIONS),
     "max_new_tokens": lambda v: _as_int("max new tokens", v, 1, MAX_NEW_TOKENS),
@@ -254,37 +256,3 @@ def parse_custom_tree(text: object) -> tuple[tuple[int, ...], ...]:
     except ValueError as error:
         raise LabInputError(f"custom tree: {error}") from None
     return tuple(tree.paths)
-
-
-def fixed_choice(preset: str, depth: int, custom: tuple[tuple[int, ...], ...] = ()) -> tuple[str | tuple, str]:
-    """The fixed tree for `depth` heads: the named preset (or the custom paths), cut at `depth` with a note."""
-    paths = custom if preset == CUSTOM_TREE else load_named_trees()[preset]
-    if max(len(p) for p in paths) <= depth:
-        return (tuple(paths) if preset == CUSTOM_TREE else preset), ""
-    kept = tuple(tuple(p) for p in paths if len(p) <= depth)
-    return kept, f"fixed tree {preset} cut to depth {depth} ({len(kept)} of {len(paths)} nodes)"
-
-
-def _check_custom_depth(settings: Settings, num_heads: int) -> None:
-    if not settings.custom_tree:
-        raise LabInputError(f"custom tree is empty: give at least one rank path, {CUSTOM_TREE_EXAMPLE}")
-    deepest = max(settings.custom_tree, key=len)
-    if len(deepest) > num_heads:
-        raise LabInputError(f"custom tree: path {list(deepest)} is {len(deepest)} deep but only {num_heads} "
-                            f"heads are loaded")
-
-
-def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str]:
-    """The core DecodeConfig for these settings, plus a note on any adjustment made."""
-    if settings.depth > num_heads:
-        raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
-    dynamic = settings.strategy == DYNAMIC
-    uses_fixed = settings.strategy == FIXED or (settings.compare_fixed and dynamic)
-    if settings.fixed_preset == CUSTOM_TREE:
-        _check_custom_depth(settings, num_heads)
-    tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
-    accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
-    base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
-                        compare_fixed=settings.compare_fixed and dynamic)
-    config = replace(strategy_config(settings.spec.with_budget(settings.budget), base), fixed_tree=tree)
-    return config, note if uses_fixed else ""

@@ -59,7 +59,7 @@ def random_heads(base_fp32) -> MedusaHeads:
 # and the 20,000-draw sampling statistics, is `slow`.
 SLOW_FIXTURES = {"base_fp32", "base_bf16", "shipped_heads", "shipped_hydra", "random_heads", "plain_fp32",
                  "mt_bench_prompts"}
-SLOW_MODULES = {"test_app", "test_browser", "test_robustness", "test_datagen", "test_train", "test_kernels",
+SLOW_MODULES = {"test_app", "test_browser", "test_replay_browser", "test_robustness", "test_datagen", "test_train", "test_kernels",
                 "test_simulate", "test_sampling"}
 
 

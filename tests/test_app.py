@@ -8,7 +8,6 @@ import inspect
 import json
 import socket
 import time
-import types
 import urllib.request
 
 import pytest
@@ -23,6 +22,8 @@ from core.budget.cost_profile import CostProfile  # noqa: E402
 from core.records import PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
 from core.strategy import DYNAMIC, LOOKUP, StrategySpec  # noqa: E402
 from core.tree import CandidateTree, fixed_tree  # noqa: E402
+import viz.view as view_module  # noqa: E402
+from viz.facts import RunFacts, RunStats  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:.*no_silent_downcasting:Warning"),
@@ -334,19 +335,23 @@ def _lookup_step_record() -> StepRecord:
                       outcome=outcome, new_tokens=[2, 4], times=PhaseTimes(verify=0.01))
 
 
+def _facts(settings: labstate.Settings) -> RunFacts:
+    return RunFacts(prompt="", spec=settings.spec, settings=settings.raw(), records=[], output_ids=[1], first_text="",
+                    text="", token_bytes={}, stats=RunStats())
+
+
 def test_comparison_and_tree_notes_say_what_happened():
-    run = types.SimpleNamespace(settings=labstate.parse_settings({**SETTINGS, "strategy": labstate.LOOKUP_STRATEGY}))
-    figure = app._comparison(run, _lookup_step_record(), {})
+    facts = _facts(labstate.parse_settings({**SETTINGS, "strategy": labstate.LOOKUP_STRATEGY}))
+    figure = view_module._comparison(facts, _lookup_step_record())
     message = figure.layout.annotations[0].text.replace("<br>", " ")
     assert "skipped the heads" in message and "step 5" in message and "dynamic strategy" not in message
     shallow = StepRecord(index=0, strategy=DYNAMIC, context_length=9, head_token_ids=[], head_probs=[],
                          outcome=TreeOutcome(tree=fixed_tree([[0], [0, 0], [0, 0, 0]]), node_tokens=[1, 2, 3, 4],
                                              node_scores=[1.0, 0.5, 0.2, 0.1], accepted_nodes=[0], bonus_token=5),
                          new_tokens=[5], times=PhaseTimes())
-    assert "deepest node at depth 3 of 4 allowed" in app._depth_note(run, shallow)
-    sampled = types.SimpleNamespace(settings=labstate.parse_settings({**SETTINGS, "rule": "speculative",
-                                                                      "temperature": 0.7}))
-    assert "residual" in app._bonus_note(sampled) and app._bonus_note(run) == ""
+    assert "deepest node at depth 3 of 4 allowed" in view_module._depth_note(facts, shallow)
+    sampled = _facts(labstate.parse_settings({**SETTINGS, "rule": "speculative", "temperature": 0.7}))
+    assert "residual" in view_module._bonus_note(sampled) and view_module._bonus_note(facts) == ""
 
 
 def test_status_and_speed_through_the_api(url):

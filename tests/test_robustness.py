@@ -28,6 +28,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 import app  # noqa: E402  (builds the Blocks; launches nothing)
 import labstate  # noqa: E402
+import page  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
 
@@ -103,7 +104,7 @@ def _server_lab(client) -> labstate.LabState:
 
 
 # -- bad input ----------------------------------------------------------------------------------------
-NUM_HEADS = app._num_heads()
+NUM_HEADS = page._num_heads(4)
 CHAIN_TOO_DEEP = json.dumps([[0] * d for d in range(1, NUM_HEADS + 2)])
 TOO_MANY_PATHS = json.dumps([[r] for r in range(60)] + [[r, c] for r in range(8) for c in range(30)])
 
@@ -129,7 +130,7 @@ BAD_INPUTS = [
     ("start", PROMPT_A, {"temperature": 0.7}, r"the greedy rule needs temperature 0"),
     ("run", PROMPT_A, {"max_new_tokens": 10 ** 6}, r"max new tokens must be between 1 and 1024, got 1000000"),
     ("start", PROMPT_A, {"max_new_tokens": None}, r"max new tokens must be a whole number, got None"),
-    ("start", PROMPT_A, {"strategy": "beam"}, r"strategy must be one of autoregressive, fixed, dynamic, "
+    ("start", PROMPT_A, {"strategy": "beam"}, r"strategy must be one of ar, fixed, dynamic, "
                                               r"dynamic:auto, dynamic:auto\+lookup, dynamic:auto\+lookup\+store, hydra, "
                                               r"hydra:auto, hydra:auto\+lookup, got 'beam'"),
     ("start", PROMPT_A, {"precision": "fp8"}, r"precision must be one of fp32, bf16, got 'fp8'"),
@@ -458,13 +459,16 @@ def test_session_cap_evicts_idle_sessions_and_memory_stays_bounded(tmp_path):
 def test_the_page_lets_in_no_files_models_or_code():
     import gradio as gr
 
-    allowed_inputs = (gr.Textbox, gr.Slider, gr.Radio, gr.Dropdown, gr.Checkbox)
+    allowed_inputs = (gr.Textbox, gr.Slider, gr.Radio, gr.Dropdown, gr.Checkbox, gr.State)
+    trace_upload = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "trace-upload")
     for fn in app.demo.fns.values():
         for block in fn.inputs:
-            assert isinstance(block, allowed_inputs), f"{fn.name} takes a {type(block).__name__}"
+            assert isinstance(block, allowed_inputs) or block is trace_upload, f"{fn.name} takes a {type(block).__name__}"
+    # the one upload is a JSON trace to replay, read as bytes and parsed as data (viz.trace), never run
+    assert trace_upload.file_types == [".json"] and trace_upload.type == "binary"
     uploads = (gr.File, gr.UploadButton, gr.Image, gr.Audio, gr.Video, gr.Model3D, gr.Code, gr.Gallery)
     for block in app.demo.blocks.values():
-        if isinstance(block, uploads):
+        if isinstance(block, uploads) and block is not trace_upload:
             assert block.interactive is False, f"{type(block).__name__} {block.label!r} accepts uploads"
     kwargs = app.launch_kwargs()
     assert kwargs["share"] is False and kwargs["max_file_size"]

@@ -13,6 +13,8 @@ from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
 from viz import style
 from viz.labels import escape, token_label, visible
 from viz.mask_plot import mask_figure, mask_values
+from core.strategy import parse_strategy
+from viz.facts import RunFacts
 from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text_html
 from viz.timing_plot import ArBaseline, accepted_figure, cumulative_figure, phase_figure
 from viz.trace import to_jsonable, trace_dict, trace_json
@@ -265,7 +267,9 @@ def test_stats_html():
 def test_trace_round_trips_through_json():
     records = [_record(0, _fixed_outcome(), comparison=_fixed_outcome()), _record(1, _autoregressive_outcome())]
     records[0].outcome.tree.buffers()  # populate the cached buffers: they must not leak into the trace
-    text = trace_json(records, {"prompt": "<b>hi</b>", "nan": math.nan, "config": {"t": (1, 2)}})
+    facts = RunFacts(prompt="<b>hi</b>", spec=parse_strategy("fixed"), settings={"budget": 8}, records=records,
+                     output_ids=[1, 2], first_text="a", text="ab", token_bytes={}, stats=RunStats())
+    text = trace_json(facts, {"prompt": "<b>hi</b>", "nan": math.nan, "config": {"t": (1, 2)}})
     data = json.loads(text)
     assert data["meta"] == {"prompt": "<b>hi</b>", "nan": None, "config": {"t": [1, 2]}}
     assert len(data["steps"]) == 2
@@ -277,7 +281,7 @@ def test_trace_round_trips_through_json():
     assert step["times"]["total"] == pytest.approx(0.114)
     assert step["outcome"]["node_texts"] == NASTY
     assert data["steps"][1]["comparison"] is None
-    assert trace_dict(records, {})["version"] == 1
+    assert trace_dict(facts, {})["version"] == 2 and data["facts"]["strategy"] == "fixed"
 
 
 def test_to_jsonable_tensors_and_named_tree():

@@ -46,7 +46,7 @@ def mask_figure(outcome: TreeOutcome, context_length: int | None = None,
     itself and its ancestors only, which is what lets one forward verify many branches.
     Hover text comes from the axis categories, so the figure stays small for 256 nodes.
     """
-    mask = outcome.tree.buffers().attn_mask.tolist()  # [n+1][n+1] bool
+    mask = outcome.tree.mask_rows()  # [n+1][n+1] bool
     texts = node_texts(outcome, token_bytes)[0]  # whole characters where a node completes one
     labels = _node_labels(texts)
     z = mask_values(mask, list(outcome.accepted_nodes))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from core.strategy import LOOKUP
+from viz.facts import RunStats
 from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
 from viz.style import STEP_CYCLE
 
@@ -198,22 +199,6 @@ def _accepted_ranks(record: StepRecord) -> dict[int, int]:
         if ranks[depth] != 0:
             break  # off the best path: the rows below are conditioned on another token
     return ranks
-
-
-@dataclass(frozen=True)
-class RunStats:
-    """Running totals shown above the plots."""
-
-    tokens: int = 0
-    steps: int = 0
-    mean_accepted: float = 0.0
-    tokens_per_s: float = 0.0
-    status: str = "not started"
-    check: str = ""  # the plain-greedy comparison, in words
-    check_state: str = "na"  # ok | diff | pending | na
-    vs_plain: float | None = None  # tokens/s over plain decoding's
-    vs_plain_basis: str = ""  # measured plain run, or how it was estimated
-    vs_plain_why: str = ""  # wins/loses and why (verify cost of the tree against one token)
 
 
 def _measured(stats: RunStats) -> bool:

@@ -1,7 +1,6 @@
 """Where the time went: phases per step, tokens per step, and tokens over time per strategy."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Sequence
 
@@ -10,6 +9,7 @@ from plotly.subplots import make_subplots
 
 from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED
 from viz import style
+from viz.facts import ArBaseline
 
 if TYPE_CHECKING:
     from core.records import StepRecord
@@ -23,22 +23,6 @@ PHASE_NAMES = {
     "commit": "commit KV cache",
     "compare": "fixed-tree comparison (display only)",
 }
-
-
-@dataclass(frozen=True)
-class ArBaseline:
-    """Autoregressive decoding for the cumulative plot: a measured plain run, or an estimate.
-
-    step_seconds: wall seconds of each token of a real plain run (empty when estimated).
-    seconds_per_token: a measured single-token forward, used when no plain run exists.
-    """
-
-    step_seconds: list[float] = field(default_factory=list)
-    seconds_per_token: float | None = None
-
-    @property
-    def measured(self) -> bool:
-        return bool(self.step_seconds)
 
 
 def _ms(seconds: float) -> float:

@@ -1,0 +1,234 @@
+"""A user's run from Start to the end: prefill, steps, Run to end, Stop, Reset, Check, and the run's facts.
+
+Everything here changes or reads one user's `LabState`; nothing here draws (viz does, from the
+`RunFacts` that `facts_of` returns) and nothing here knows Gradio (app.py maps the messages).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+from core.decoder import start_session
+from core.records import StepRecord
+from core.strategy import AUTOREGRESSIVE
+from labstate.errors import LabInputError, LabNotice, SessionExpired
+from labstate.limits import STEP_LOCK_TIMEOUT_S
+from labstate.plain import ar_baseline, compute_check, greedy_check, speed_vs_plain
+from labstate.modes import PAUSED, RUNNING
+from labstate.runs import Prepared, Run, prepare
+from labstate.shared import cost_profile, measure_forward_seconds
+from labstate.sessions import LabState, SessionRegistry
+from labstate.settings import Settings
+from viz.facts import RunFacts, RunStats, summary
+from viz.trace import trace_json
+
+
+def acquire(lab: LabState) -> None:
+    """Take the user's step lock (a session is not thread-safe); LabNotice when a step holds it too long."""
+    if not lab.lock.acquire(timeout=STEP_LOCK_TIMEOUT_S):
+        raise LabNotice("Still busy with the previous step; try again in a moment.")
+
+
+def start_prepared(lab: LabState, prepared: Prepared) -> Run:
+    """Prefill a prepared prompt and make it the current run (the previous run is dropped).
+
+    Tree strategies also load the verify-cost profile (measured once per precision, then cached on
+    disk): auto budget sizes trees with it, and the page explains speed against plain decoding with it.
+    """
+    rt, config = prepared.runtime, prepared.config
+    profile = cost_profile(rt) if config.strategy != AUTOREGRESSIVE else None
+    lab.interrupt()  # a Run loop on the previous run stops
+    acquire(lab)
+    try:
+        session = start_session(rt.base, rt.heads_for(config.strategy), prepared.prompt_ids, config,
+                                profile if config.auto_budget else None)
+        precision = prepared.settings.precision
+        if precision not in lab.forward_seconds:
+            lab.forward_seconds[precision] = measure_forward_seconds(rt.base, session.prompt_ids)
+    except ValueError as error:  # core's own checks (prompt too long for the context, tree too deep)
+        raise LabInputError(str(error)) from error
+    finally:
+        lab.lock.release()
+    lab.run = Run(prompt=prepared.prompt, settings=prepared.settings, runtime=rt, session=session,
+                  note=prepared.note)
+    return lab.run
+
+
+def start_run(lab: LabState, prompt: object, settings: Settings) -> Run:
+    """Check, tokenize and prefill `prompt` and make it the current run."""
+    return start_prepared(lab, prepare(prompt, settings))
+
+
+def _finished_notice(run: Run) -> LabNotice:
+    return LabNotice(f"Decoding has finished ({run.session.stop_reason}). Press Start for a new run.")
+
+
+def step_run(lab: LabState, run: Run, epoch: int | None = None) -> StepRecord | None:
+    """One decoding step of `run` (serialised per user).
+
+    With `epoch` (the state's epoch when the step was asked for), a step that waited for the lock
+    while Stop, Start or Reset happened is dropped: None, nothing stepped.
+    """
+    if run.session.finished:
+        raise _finished_notice(run)
+    acquire(lab)
+    try:
+        if epoch is not None and (lab.epoch != epoch or lab.run is not run):
+            return None
+        if run.session.finished:  # another request finished it while this one waited
+            raise _finished_notice(run)
+        return run.session.step()  # a finished session frees its own KV cache
+    finally:
+        lab.lock.release()
+
+
+def wait_idle(lab: LabState) -> None:
+    """Return once no step of this user is in flight (Stop waits for it, so the page shows what really ran)."""
+    acquire(lab)
+    lab.lock.release()
+
+
+def start_fresh(lab: LabState, prompt: str, settings: Settings) -> str:
+    """Start (or restart) `prompt`: every check before the session is touched, then the prefill."""
+    start_prepared(lab, prepare(prompt, settings))
+    return ""
+
+
+def ensure_run(lab: LabState, prompt: str, settings: Settings) -> tuple[Run, str]:
+    """The current run, or a new one when there is none (so Step and Run also start), and a note when
+    the prompt or settings changed under a run that goes on."""
+    run = lab.run
+    changed = run is not None and (prompt != run.prompt or settings != run.settings)
+    if changed:
+        prepare(prompt, settings)  # bad new input is reported even while the old run continues
+    if run is not None and not run.session.finished:
+        return run, "Prompt or settings changed: press **Start** to apply them." if changed else ""
+    if run is not None and not changed:
+        raise _finished_notice(run)
+    return start_run(lab, prompt, settings), ""
+
+
+def step_once(lab: LabState, prompt: str, settings: Settings) -> str:
+    """One decoding step (starting a run first when there is none); the message for the status line."""
+    run, changed = ensure_run(lab, prompt, settings)
+    if step_run(lab, run, lab.epoch) is None:
+        return "Stopped: a Step queued before Stop was dropped."
+    run.mode = PAUSED
+    if run.session.finished:
+        compute_check(lab, run)
+    return changed
+
+
+def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[], bool]) -> Iterator[str]:
+    """Step to the end, yielding the status message after every step (the caller redraws).
+
+    Stops between steps when `alive()` turns false (the session was evicted: SessionExpired) or when
+    Stop, Start or Reset bumped the state's epoch (quietly). The caller may also close the generator.
+    """
+    run, note = ensure_run(lab, prompt, settings)
+    epoch = lab.epoch
+    run.mode = RUNNING
+    try:
+        while not run.session.finished:
+            if not alive():
+                raise SessionExpired("Your session expired while running (the lab needed room). Press **Start** "
+                                     "to begin again.")
+            if lab.run is not run or step_run(lab, run, epoch) is None:
+                return
+            yield note if not run.session.finished else "Comparing with plain greedy decoding…"
+    finally:
+        if run.mode == RUNNING:
+            run.mode = PAUSED
+    compute_check(lab, run)
+    if lab.run is run:
+        yield note
+
+
+def check_now(lab: LabState | None) -> None:
+    """Run plain greedy decoding now and compare the output so far."""
+    run = require_run(lab)
+    compute_check(lab, run)
+
+
+def reset(lab: LabState | None) -> None:
+    """Forget the current run (cached plain runs stay)."""
+    if lab is not None:
+        lab.interrupt()
+        lab.run = None
+
+
+def stop(lab: LabState | None) -> str:
+    """Stop a running Run (and any Step waiting for its turn); returns once the step in flight ended."""
+    if lab is None or lab.run is None:
+        return "Nothing to stop."
+    lab.stop()
+    wait_idle(lab)
+    return "Stopped. **Step** or **Run to end** go on from here."
+
+
+def require_run(lab: LabState | None) -> Run:
+    """The current run, or a notice that there is none yet."""
+    if lab is None or lab.run is None:
+        raise LabNotice("Nothing to check yet: press Start or Step first.")
+    return lab.run
+
+
+def decoding_state(sessions: SessionRegistry, key: str) -> LabState:
+    """The session's state for Step and Run: created when new, SessionExpired when it was dropped."""
+    lab = sessions.get(key)
+    return lab if lab is not None else sessions.open(key)
+
+
+def facts_of(lab: LabState, run: Run) -> RunFacts:
+    """What the views draw of the user's current run (reads stored results; never decodes)."""
+    session, rt = run.session, run.runtime
+    decode_seconds = sum(r.times.total for r in session.records)
+    emitted = max(len(session.output_ids) - 1, 0)  # the first token comes from the prefill
+    check = greedy_check(lab, run)
+    speed = speed_vs_plain(lab, run)
+    stats = RunStats(tokens=len(session.output_ids), steps=len(session.records), mean_accepted=session.tokens_per_step,
+                     tokens_per_s=emitted / decode_seconds if decode_seconds > 0 else 0.0, status=run.state,
+                     check=check.text, check_state=check.state, vs_plain=speed.ratio, vs_plain_basis=speed.basis,
+                     vs_plain_why=speed.why)
+    first = session.output_ids[0]
+    first_text = session.records[0].outcome.node_texts[0] if session.records else rt.base.token_texts([first])[0]
+    return RunFacts(prompt=run.prompt, spec=run.settings.spec, settings=run.settings.raw(), records=session.records,
+                    output_ids=list(session.output_ids), first_text=first_text, text=rt.base.decode(session.output_ids),
+                    token_bytes=rt.token_bytes, stats=stats, check=asdict(check), ar=ar_baseline(lab, run),
+                    state=run.state, note=run.note, finished=session.finished, stop_reason=session.stop_reason,
+                    model=rt.base.source, heads=rt.heads_description)
+
+
+def run_trace(lab: LabState | None, extra: dict | None = None) -> str:
+    """The user's run as JSON trace text (viz.trace's format), with `extra` in its meta."""
+    if lab is None or lab.run is None:
+        raise LabNotice("Nothing to export yet: run a few steps first.")
+    run = lab.run
+    facts = facts_of(lab, run)
+    meta = {**summary(facts, None), "text": facts.text, "prompt_ids": run.session.prompt_ids,
+            "prefill_seconds": run.session.prefill_seconds, "decode_config": run.session.config, **(extra or {})}
+    return trace_json(facts, meta)
+
+
+def export_trace(lab: LabState | None, folder: Path, keep_seconds: float) -> Path:
+    """Write the user's run as a JSON trace under `folder` (older traces there are dropped first)."""
+    text = run_trace(lab)
+    folder.mkdir(parents=True, exist_ok=True)
+    _drop_old_traces(folder, keep_seconds)
+    path = folder / f"medusa_trace_{len(lab.run.session.records)}_steps_{uuid.uuid4().hex[:8]}.json"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _drop_old_traces(folder: Path, keep_seconds: float) -> None:
+    """Delete traces older than `keep_seconds` (Gradio serves its own copy of each)."""
+    cutoff = time.time() - keep_seconds
+    for old in folder.glob("medusa_trace_*.json"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another worker removed it first
+            pass

@@ -1,0 +1,175 @@
+"""Recorded runs stepped without a model: the gallery shipped in assets/gallery and uploaded traces.
+
+A `Replay` is what a user's page holds (in `gr.State`): which trace, and how many of its steps are
+shown. Step, Back, Run to end and Revisit only move that count; the facts of the first `shown`
+steps are drawn exactly as a live run's are (viz.view), with the recorded timings and the
+recorded plain-decoding baseline. Imports no torch and no transformers: the replay-only page
+runs on this module alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from labstate.errors import LabInputError, LabNotice
+from viz.facts import RunFacts, RunStats
+from viz.trace import Trace, TraceError, load_trace
+
+GALLERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "gallery"
+GALLERY_INDEX = GALLERY_DIR / "index.json"
+MAX_UPLOADS = 64  # uploaded traces kept in memory (least recently used dropped first)
+
+
+@dataclass(frozen=True)
+class GalleryEntry:
+    """One recorded run of the gallery and what it is there to show."""
+
+    name: str
+    title: str
+    notice: str  # "what to notice", for the whole run
+    file: str
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A user's replay: `source` names the trace (gallery:<name> or upload:<hash>); `shown` steps are drawn."""
+
+    source: str
+    shown: int = 0
+
+    @property
+    def gallery_name(self) -> str:
+        return self.source.split(":", 1)[1] if self.source.startswith("gallery:") else ""
+
+
+@functools.cache
+def gallery() -> tuple[GalleryEntry, ...]:
+    """The shipped gallery, in its index's order (empty when none is shipped)."""
+    if not GALLERY_INDEX.exists():
+        return ()
+    rows = json.loads(GALLERY_INDEX.read_text(encoding="utf-8"))["runs"]
+    return tuple(GalleryEntry(**row) for row in rows)
+
+
+@functools.cache
+def _gallery_trace(name: str) -> Trace:
+    entry = next((e for e in gallery() if e.name == name), None)
+    if entry is None:
+        raise LabInputError(f"no gallery run named {name!r}; the gallery has {', '.join(e.name for e in gallery())}")
+    trace = load_trace((GALLERY_DIR / entry.file).read_bytes())
+    return dataclasses.replace(trace, facts=dataclasses.replace(trace.facts, recording=entry.title))
+
+
+class _Uploads:
+    """Uploaded traces by content hash, bounded; shared read-only objects (a trace never changes)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._traces: OrderedDict[str, Trace] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def add(self, key: str, trace: Trace) -> None:
+        with self._lock:
+            self._traces[key] = trace
+            self._traces.move_to_end(key)
+            while len(self._traces) > self._capacity:
+                self._traces.popitem(last=False)
+
+    def get(self, key: str) -> Trace | None:
+        with self._lock:
+            trace = self._traces.get(key)
+            if trace is not None:
+                self._traces.move_to_end(key)
+            return trace
+
+
+UPLOADS = _Uploads(MAX_UPLOADS)
+
+
+def notice(name: str) -> str:
+    """A gallery run's title and what to notice in it, for the status line."""
+    entry = next((e for e in gallery() if e.name == name), None)
+    return f"**{entry.title}.** 👀 {entry.notice} Press **Step** (or →)." if entry else ""
+
+
+def open_gallery(name: str) -> Replay:
+    """A gallery run, ready at its first step (pressing Step draws step 1)."""
+    _gallery_trace(name)
+    return Replay(source=f"gallery:{name}")
+
+
+def open_upload(raw: bytes | str) -> Replay:
+    """An uploaded trace (the Export button's JSON); LabInputError saying why when it cannot be replayed."""
+    try:
+        trace = load_trace(raw)
+    except TraceError as error:
+        raise LabInputError(str(error)) from None
+    key = hashlib.sha1(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    UPLOADS.add(key, trace)
+    return Replay(source=f"upload:{key}")
+
+
+def trace_of(replay: Replay) -> Trace:
+    """The replay's trace; LabNotice when an uploaded one was dropped to make room."""
+    kind, _, key = replay.source.partition(":")
+    if kind == "gallery":
+        return _gallery_trace(key)
+    trace = UPLOADS.get(key) if kind == "upload" else None
+    if trace is None:
+        raise LabNotice("That uploaded trace is no longer in memory (the lab needed room): upload it again.")
+    return trace
+
+
+def total_steps(replay: Replay) -> int:
+    return len(trace_of(replay).facts.records)
+
+
+def moved(replay: Replay, to: int) -> Replay:
+    """The replay showing `to` steps (clamped to what was recorded)."""
+    return dataclasses.replace(replay, shown=max(0, min(to, total_steps(replay))))
+
+
+def step(replay: Replay) -> Replay:
+    """One more recorded step; LabNotice at the end, as a finished live run says."""
+    if replay.shown >= total_steps(replay):
+        raise LabNotice("The recording has no more steps: press Back, revisit a step, or pick another run.")
+    return moved(replay, replay.shown + 1)
+
+
+def _prefix_stats(full: RunFacts, shown: int) -> RunStats:
+    """The speed card after `shown` recorded steps: recorded timings against the recorded plain baseline."""
+    records = full.records[:shown]
+    tokens = min(1 + sum(len(r.new_tokens) for r in records), len(full.output_ids))
+    seconds = sum(r.times.total for r in records)
+    rate = (tokens - 1) / seconds if seconds > 0 else 0.0
+    plain = None
+    if full.ar is not None and full.ar.step_seconds:
+        plain = len(full.ar.step_seconds) / sum(full.ar.step_seconds)
+    elif full.ar is not None and full.ar.seconds_per_token:
+        plain = 1.0 / full.ar.seconds_per_token
+    ratio = rate / plain if plain and records and full.stats.vs_plain is not None else None
+    return dataclasses.replace(full.stats, tokens=tokens, steps=len(records), tokens_per_s=rate, vs_plain=ratio,
+                               mean_accepted=(tokens - 1) / len(records) if records else 0.0,
+                               status=f"replay: step {shown} of {len(full.records)}",
+                               check=full.stats.check if shown == len(full.records) else "",
+                               check_state=full.stats.check_state if shown == len(full.records) else "na")
+
+
+def replay_facts(replay: Replay) -> RunFacts:
+    """What the views draw after `replay.shown` steps; the whole recording equals the recorded run's facts."""
+    full = trace_of(replay).facts
+    if replay.shown >= len(full.records):
+        return full
+    records = full.records[:replay.shown]
+    tokens = min(1 + sum(len(r.new_tokens) for r in records), len(full.output_ids))
+    output_ids = full.output_ids[:tokens]
+    text = b"".join(full.token_bytes.get(t, b"") for t in output_ids).decode("utf-8", errors="replace")
+    return dataclasses.replace(full, records=records, output_ids=output_ids, text=text,
+                               stats=_prefix_stats(full, replay.shown), finished=False, stop_reason="",
+                               state=f"replay: step {replay.shown} of {len(full.records)}, press Step")

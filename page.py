@@ -1,0 +1,154 @@
+"""The page's components: header, live controls, settings panel and the replay box (no events here).
+
+app.py wires them. Each builder returns its components by name.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import gradio as gr
+
+import labstate
+from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, newest_round, result_order,
+                            step_trace_figure, stepped_strategies)
+from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+CUSTOM_TREE_EXAMPLE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
+INTRO = ('<div class="lab-header"><h1>Medusa Tree Lab</h1><p>Speculative decoding with Medusa heads and a '
+         '<b>dynamic candidate tree</b>, one step at a time: heads propose, the tree is verified in one forward '
+         'pass, the base model accepts a path.</p></div>')
+
+
+def mt_bench_examples() -> dict[str, str]:
+    """Dropdown label -> first turn, from the shipped copy of MT-Bench."""
+    examples = {}
+    for line in (ASSETS / "data" / "mt_bench.jsonl").read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            first = row["turns"][0]
+            short = first if len(first) <= 70 else first[:69] + "…"
+            examples[f"{row['question_id']} · {row['category']} · {short}"] = first
+    return examples
+
+
+def header(replay_only: bool, why: str = "") -> gr.Markdown:
+    """The title, and the line that says what this server runs (the model, or recordings only)."""
+    gr.HTML(INTRO)
+    if replay_only:
+        reason = f" because {why}" if why else ""
+        return gr.Markdown(f"**Replay-only mode{reason}: live decoding is off.** The gallery below replays runs "
+                           f"recorded on the real model (trees, timings and the plain-decoding baseline as "
+                           f"measured then); upload a trace exported from a live lab to replay it too.",
+                           elem_classes=["model-info", "replay-only"], elem_id="model-info")
+    return gr.Markdown("Loading the model…", elem_classes=["model-info"], elem_id="model-info")
+
+
+def replay_controls(gallery: tuple, open_: bool) -> dict:
+    """The gallery picker, the trace upload and the replay's Back / Step / Run to end, with its state."""
+    with gr.Accordion("Recorded runs: the gallery (no model needed)", open=open_, elem_id="replay-box"):
+        choices = [(entry.title, entry.name) for entry in gallery]
+        box = {"state": gr.State(None),
+               "pick": gr.Dropdown(choices, value=choices[0][1] if open_ and choices else None,
+                                   label="Gallery run (each shows one thing)", elem_id="gallery-pick"),
+               "upload": gr.File(label="…or replay a trace you exported (.json)", file_types=[".json"],
+                                 type="binary", elem_id="trace-upload", height=90)}
+        with gr.Row():
+            box["back"] = gr.Button("◀ Back", size="sm", elem_id="replay-back-btn")
+            box["step"] = gr.Button("Step ▶", variant="primary", size="sm", elem_id="replay-step-btn")
+            box["end"] = gr.Button("Run to end ▶▶", size="sm", elem_id="replay-end-btn")
+        gr.Checkbox(False, label="Large type (presenter: ← → keys step the replay)", elem_id="presenter-toggle",
+                    interactive=True)
+    return box
+
+
+def live_controls(default_prompt: str, settings_panel: Callable[[], list]) -> dict:
+    """The prompt, the decoding buttons, the settings and the export box."""
+    examples = mt_bench_examples()
+    controls = {"examples": examples,
+                "example": gr.Dropdown(list(examples), value=None, label="MT-Bench examples", filterable=True),
+                "prompt": gr.Textbox(default_prompt, label="Prompt", lines=4, max_lines=10, elem_id="prompt")}
+    with gr.Row():
+        controls["start"] = gr.Button("Start / Restart", variant="secondary", elem_id="start-btn")
+        controls["step"] = gr.Button("Step ▶", variant="primary", elem_id="step-btn")
+    with gr.Row():
+        controls["run"] = gr.Button("Run to end ▶▶", elem_id="run-btn")
+        controls["stop"] = gr.Button("Stop ■", variant="stop", elem_id="stop-btn")
+    with gr.Row():
+        controls["reset"] = gr.Button("Reset", size="sm", elem_id="reset-btn")
+        controls["check"] = gr.Button("Check vs plain greedy", size="sm", elem_id="check-btn")
+    controls["settings"] = settings_panel()
+    with gr.Accordion("Export", open=False):
+        controls["trace"] = gr.Button("Build JSON trace of this run", size="sm", elem_id="trace-btn")
+        controls["trace_file"] = gr.File(label="JSON trace", interactive=False, elem_id="trace-file")
+    return controls
+
+
+def _num_heads(default: int) -> int:
+    """Heads available for the depth slider (reads the shipped config when present; no model load)."""
+    config = ASSETS / "heads" / "config.json"
+    return int(json.loads(config.read_text())["num_heads"]) if config.exists() else default
+
+
+def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Component]:
+    """The settings by name (`labstate.SETTING_NAMES`), showing `defaults`."""
+    values, num_heads = defaults.raw(), _num_heads(defaults.depth)
+    presets = [*labstate.load_named_trees(), labstate.CUSTOM_TREE]
+    choices = [(label, name) for name, label in labstate.STRATEGY_LABELS.items()]
+    with gr.Accordion("Settings (applied at Start)", open=True):
+        return {
+            "strategy": gr.Radio(choices, value=values["strategy"], label="Strategy", elem_id="strategy",
+                                 info=labstate.STRATEGY_HELP[values["strategy"]]),
+            "budget": gr.Slider(1, MAX_BUDGET, value=values["budget"], step=1,
+                                label="Node budget (dynamic tree; the auto budget's ceiling)", elem_id="budget"),
+            "top_m": gr.Slider(1, MAX_TOP_M, value=values["top_m"], step=1, label="Top-m per head (dynamic tree)",
+                               elem_id="top-m"),
+            "depth": gr.Slider(1, num_heads, value=min(values["depth"], num_heads), step=1,
+                               label="Depth (heads used)", elem_id="depth"),
+            "fixed_preset": gr.Dropdown(presets, value=values["fixed_preset"], label="Fixed tree preset",
+                                        elem_id="preset"),
+            "custom_tree": gr.Textbox(values["custom_tree"], label="Custom tree (JSON list of rank paths; used when "
+                                      "the preset is “custom”)", placeholder=CUSTOM_TREE_EXAMPLE, lines=2,
+                                      max_lines=6, elem_id="custom-tree",
+                                      info=f"Path [r1, r2, …] = head 1's rank-r1 token, then head 2's rank-r2 token, "
+                                           f"…; every path's parent must be in the list; up to "
+                                           f"{labstate.MAX_CUSTOM_TREE_NODES} paths, {num_heads} deep, ranks below "
+                                           f"the top-m setting."),
+            "compare_fixed": gr.Checkbox(value=values["compare_fixed"], label="Compare with the fixed tree "
+                                         "(dynamic only; costs a second verify, not counted in tokens/s)",
+                                         elem_id="compare"),
+            "rule": gr.Radio(list(ACCEPT_RULES), value=values["rule"], label="Acceptance rule", elem_id="rule"),
+            "temperature": gr.Slider(0.0, labstate.MAX_TEMPERATURE, value=values["temperature"], step=0.05,
+                                     label="Temperature (0 = greedy)", elem_id="temperature"),
+            "precision": gr.Radio([("bf16 (fast on GPUs and CPUs with bf16 instructions)", "bf16"),
+                                   ("fp32 (exact)", "fp32")], value=values["precision"], label="Precision",
+                                  elem_id="precision"),
+            "max_new_tokens": gr.Slider(1, MAX_NEW_TOKENS, value=values["max_new_tokens"], step=1,
+                                        label="Max new tokens", elem_id="max-new"),
+        }
+
+
+def benchmark_tab(results: Path) -> None:
+    """The committed benchmark results: the newest round on one screen, earlier rounds folded below."""
+    files = sorted(results.glob("bench_*.json"), key=lambda path: result_order(path.stem))
+    if not files:
+        gr.Markdown("No benchmark results are shipped yet: run `python -m core.bench ... --out assets/results/X.json`.")
+        return
+    current = set(newest_round([path.stem for path in files]))
+    for path in (p for p in files if p.stem in current):
+        result = json.loads(path.read_text())
+        gr.Markdown(bench_heading(result) + "\n\n" + markdown_table(result), elem_classes=["bench-table"])
+        gr.Plot(bench_figure(result, path.stem), show_label=False)
+        for strategy in stepped_strategies(result):
+            with gr.Accordion(f"{strategy} step by step: tree sizes and controller state per prompt", open=False):
+                gr.Plot(step_trace_figure(result, strategy), show_label=False)
+        if category_table(result):
+            with gr.Accordion("Per category (worst prompt in brackets)", open=False):
+                gr.Markdown(category_table(result), elem_classes=["bench-table"])
+    earlier = [p for p in files if p.stem not in current]
+    with gr.Accordion(f"Earlier rounds ({len(earlier)} result files; other heads, other CPUs)", open=False):
+        for path in earlier:
+            result = json.loads(path.read_text())
+            gr.Markdown(f"{bench_heading(result)} ({path.stem})\n\n{markdown_table(result)}", elem_classes=["bench-table"])

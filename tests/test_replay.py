@@ -1,0 +1,164 @@
+"""Traces and replay: a recorded run draws the same views as the live run it recorded, without a model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import labstate
+from core.decoder import DecodeConfig, start_session, strategy_config
+from core.strategy import parse_strategy
+from labstate import replay
+from tests.tiny import tiny_base, tiny_heads, tiny_hydra
+from viz.facts import ArBaseline, RunFacts, RunStats
+from viz.trace import MAX_TRACE_BYTES, TRACE_VERSION, TraceError, load_trace, trace_json
+from viz.view import VIEW_FIELDS, build_view
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [5, 17, 42, 17, 42, 99, 3, 17, 42]  # repeats: the lookup chain has something to copy
+REQUIRED_GALLERY = {"dynamic_vs_fixed", "right_then_wrong", "hydra_tree", "prompt_lookup_copy", "datastore_phrase",
+                    "auto_falls_back", "typical_acceptance", "speculative_sampling"}
+
+
+def _same(left, right) -> bool:
+    """Two view values alike: figures by their JSON, everything else by value."""
+    if hasattr(left, "to_json"):
+        return left.to_json() == right.to_json()
+    return left == right
+
+
+def _live_facts(spec_text: str, **config) -> RunFacts:
+    base = tiny_base("llama")
+    spec = parse_strategy(spec_text)
+    heads = tiny_hydra(base) if spec.family == "hydra" else tiny_heads(base)
+    decode = strategy_config(spec.with_budget(12), DecodeConfig(max_new_tokens=10, top_m=8, **config))
+    session = start_session(base, heads, PROMPT, decode)
+    while not session.finished:
+        session.step()
+    stats = RunStats(tokens=len(session.output_ids), steps=len(session.records), mean_accepted=session.tokens_per_step,
+                     tokens_per_s=123.4, status="finished: limit", check="identical (25 tokens)", check_state="ok",
+                     vs_plain=1.7, vs_plain_basis="measured plain run", vs_plain_why="wins: a test")
+    settings = {"strategy": spec.text, "budget": 12, "top_m": 8, "depth": 4, "fixed_preset": "mc_sim_7b_63",
+                "rule": "greedy", "temperature": 0.0, "precision": "fp32", "max_new_tokens": 24,
+                "compare_fixed": decode.compare_fixed, "custom_tree": ""}
+    return RunFacts(prompt="tiny", spec=spec, settings=settings, records=list(session.records),
+                    output_ids=list(session.output_ids), first_text="x", text="tiny text",
+                    token_bytes={t: bytes([t]) for t in range(256)}, stats=stats, check={"state": "ok"},
+                    ar=ArBaseline(step_seconds=[0.01] * 24), state="finished: limit", finished=True,
+                    stop_reason="limit", model="tiny-llama", heads="tiny heads")
+
+
+@pytest.mark.parametrize("spec, config", [("dynamic", {"compare_fixed": True}), ("fixed", {}),
+                                          ("dynamic:auto+lookup", {}), ("hydra", {})])
+def test_a_trace_draws_every_view_as_the_live_run_did(spec, config):
+    live = _live_facts(spec, **config)
+    loaded = load_trace(trace_json(live, {"title": "round trip"})).facts
+    assert len(loaded.records) == len(live.records) > 0
+    for index in sorted({None, 0, len(live.records) // 2}, key=lambda i: -1 if i is None else i):
+        ours, theirs = build_view(live, index), build_view(loaded, index)
+        for name in VIEW_FIELDS:
+            if name == "status":  # the replay says it is one
+                assert theirs.status.endswith(ours.status) and "Replay of a recorded run" in theirs.status
+                continue
+            assert _same(getattr(ours, name), getattr(theirs, name)), (spec, index, name)
+
+
+def test_the_shipped_gallery_replays_every_step_without_a_model():
+    entries = {entry.name: entry for entry in replay.gallery()}
+    assert REQUIRED_GALLERY <= set(entries) and len(entries) >= 8
+    for name, entry in entries.items():
+        assert entry.title and len(entry.notice) > 40
+        state = replay.open_gallery(name)
+        total = replay.total_steps(state)
+        assert total > 0 and build_view(replay.replay_facts(state)).tree is not None
+        notes = replay.trace_of(state).facts.step_notes
+        assert name in ("hydra_tree",) or notes, f"{name}: nothing noted"  # the notes come from the records
+        assert all(0 <= step < total for step in notes)
+        drawn = sorted({0, total - 1, *list(notes)[:3]})  # every step loads; the noted ones are drawn in full
+        for step in drawn:
+            view = build_view(replay.replay_facts(replay.moved(state, step + 1)), step)
+            assert f"Step {step + 1}:" in view.tree.layout.title.text
+        for _ in range(total):
+            state = replay.step(state)
+        assert replay.replay_facts(state) == replay.trace_of(state).facts  # the end is the recorded run
+        with pytest.raises(labstate.LabNotice, match="no more steps"):
+            replay.step(state)
+
+
+def test_replay_moves_and_its_speed_card_uses_the_recorded_baseline():
+    state = replay.open_gallery("dynamic_vs_fixed")
+    full = replay.trace_of(state).facts
+    assert replay.replay_facts(state).records == [] and replay.replay_facts(state).output_ids == full.output_ids[:1]
+    third = replay.moved(state, 3)
+    facts = replay.replay_facts(third)
+    assert len(facts.records) == 3 and len(facts.output_ids) == 1 + sum(len(r.new_tokens) for r in full.records[:3])
+    seconds = sum(r.times.total for r in full.records[:3])
+    plain = len(full.ar.step_seconds) / sum(full.ar.step_seconds)
+    assert facts.stats.tokens_per_s == pytest.approx((len(facts.output_ids) - 1) / seconds)
+    assert facts.stats.vs_plain == pytest.approx(facts.stats.tokens_per_s / plain)
+    assert replay.moved(state, 10**6).shown == len(full.records) and replay.moved(third, -5).shown == 0
+    assert facts.text and full.text.startswith(facts.text[:5])
+
+
+def _gallery_text() -> str:
+    return (replay.GALLERY_DIR / replay.gallery()[0].file).read_text(encoding="utf-8")
+
+
+def _broken(mutate) -> str:
+    data = json.loads(_gallery_text())
+    mutate(data)
+    return json.dumps(data)
+
+
+MALFORMED = [
+    ("not json", "not valid JSON"),
+    ("[1, 2, 3]", "not a Medusa Tree Lab trace"),
+    (json.dumps({"version": 1, "meta": {}, "steps": []}), "version 1"),
+    (_broken(lambda d: d.update(steps="oops")), "damaged"),
+    (_broken(lambda d: d["steps"][0]["outcome"].update(node_tokens=["a"])), "damaged"),
+    (_broken(lambda d: d["steps"][0]["outcome"].update(accepted_nodes=[0, 999])), "accepted path"),
+    (_broken(lambda d: d["facts"].update(strategy="beam")), "grammar"),
+    (_broken(lambda d: d["facts"].pop("stats")), "missing field"),
+    (_broken(lambda d: d["steps"][0].update(index=7)), "says it is step 8"),
+]
+
+
+@pytest.mark.parametrize("text, message", MALFORMED + [(_gallery_text()[: len(_gallery_text()) // 2], "not valid JSON")])
+def test_malformed_traces_get_a_clear_message(text, message):
+    with pytest.raises(TraceError, match=message):
+        load_trace(text)
+    with pytest.raises(labstate.LabInputError, match=message):
+        replay.open_upload(text.encode())
+
+
+def test_a_huge_upload_is_refused_before_parsing():
+    with pytest.raises(TraceError, match="bytes"):
+        load_trace(b" " * (MAX_TRACE_BYTES + 1))
+    assert TRACE_VERSION == json.loads(_gallery_text())["version"]
+
+
+def test_a_bad_upload_leaves_the_page_and_its_replay_working():
+    import app
+
+    state = replay.moved(replay.open_gallery("dynamic_vs_fixed"), 2)
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        out = app.on_upload(b"{truncated", state)
+    assert out[0] == state and "⚠️" in out[1 + VIEW_FIELDS.index("status")]
+    stepped = app.on_replay_step(out[0])
+    assert stepped[0].shown == 3
+    with pytest.warns(UserWarning, match="Pick a gallery run"):
+        app.on_replay_step(None)
+    uploaded = app.on_upload(_gallery_text().encode(), None)
+    assert uploaded[0].source.startswith("upload:") and replay.total_steps(uploaded[0]) > 0
+
+
+def test_replay_only_mode_imports_neither_torch_nor_transformers():
+    code = ("import sys, app; from labstate import replay; from viz.view import build_view; "
+            "s = replay.step(replay.open_gallery(replay.gallery()[0].name)); build_view(replay.replay_facts(s), 0); "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    env = {"MEDUSA_LAB_REPLAY_ONLY": "1", "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False",
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)

@@ -1,0 +1,70 @@
+"""The replay-only page in a real browser: `python app.py --replay-only`, no model loaded.
+
+It opens on the first gallery run, ready; Step (the button or the → key) draws its trees, ← goes
+back, and the large-type box enlarges the page for a projector. Screenshots go where
+tests/test_browser.py puts its own (MEDUSA_LAB_SCREENSHOTS, else a temporary folder).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, REPO, STEPS_JS, TREE_POINTS_JS, _free_port, _wait_http,
+                                playwright_api)
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")]
+STATUS_JS = """(text) => (document.querySelector('#status') || {}).textContent?.includes(text)"""
+
+
+@pytest.fixture(scope="module")
+def replay_server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("replay") / "app.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False"}
+    launched = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "app.py", "--replay-only", "--port", str(port)], cwd=REPO,
+                                   env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_http(url, process, 120)
+        yield url, launched
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server, tmp_path):
+    url, launched = replay_server
+    folder = Path(os.environ.get("MEDUSA_LAB_SCREENSHOTS") or tmp_path)
+    with playwright_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(url)
+        page.wait_for_function(STATUS_JS, arg="Press **Step**".replace("**", ""), timeout=60_000)
+        assert "live decoding is off" in page.locator("#model-info").inner_text()
+        assert page.locator("#start-btn").count() == 0  # no live controls at all
+        page.locator("#replay-step-btn").click()
+        page.wait_for_function(TREE_POINTS_JS, arg=1, timeout=30_000)
+        first_tree = time.perf_counter() - launched
+        page.wait_for_function(STEPS_JS, arg=1, timeout=30_000)
+        page.locator("body").click(position={"x": 5, "y": 5})
+        started = time.perf_counter()
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function(STEPS_JS, arg=2, timeout=30_000)
+        step_seconds = time.perf_counter() - started
+        page.keyboard.press("ArrowLeft")
+        page.wait_for_function(STEPS_JS, arg=1, timeout=30_000)
+        page.locator("#presenter-toggle input").check()
+        page.wait_for_function("() => document.body.classList.contains('presenter')", timeout=10_000)
+        page.locator("#replay-end-btn").click()
+        page.wait_for_function(STATUS_JS, arg="finished", timeout=30_000)
+        page.screenshot(path=str(folder / "replay_presenter_1280x720.png"))
+        print(f"replay-only: launch -> first drawn tree {first_tree:.1f} s, one replayed step {step_seconds:.2f} s")
+        browser.close()

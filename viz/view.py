@@ -1,0 +1,179 @@
+"""The page's view of one run at one step, built from `RunFacts` alone (live runs and replays alike).
+
+`build_view(facts, index, message)` returns a `View`: one value per output the page redraws, by
+name (`VIEW_FIELDS`), never patched by position. The app turns it into Gradio updates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
+from viz.facts import RunFacts, RunStats, summary
+from viz.mask_plot import mask_figure
+from viz.text_html import emitted_tokens, heads_html, stats_html, text_html
+from viz.timing_plot import accepted_figure, cumulative_figure, phase_figure
+from viz.tree_plot import empty_figure, tree_figure
+from viz.verify_view import verification_html
+
+if TYPE_CHECKING:
+    from core.records import StepRecord
+
+START_HINT = "Type a prompt and press **Start** or **Step**."
+
+
+@dataclass(frozen=True)
+class StepControl:
+    """The "Revisit a step" control: `count` steps recorded (0: none yet), `value` shown (from 1)."""
+
+    count: int = 0
+    value: int = 1
+
+
+@dataclass(frozen=True)
+class View:
+    """Every output of a decoding event, by name."""
+
+    status: str
+    stats: str
+    text: str
+    plain_text: str
+    summary: dict[str, Any]
+    step_slider: StepControl
+    tree: Any
+    tree_compare: Any
+    heads: str
+    mask: Any
+    phases: Any
+    accepted: Any
+    cumulative: Any
+    verify: str
+
+
+VIEW_FIELDS = tuple(f.name for f in fields(View))
+
+
+def empty_view(message: str = START_HINT, hint: str = "Type a prompt and press Start or Step.") -> View:
+    """The page before any run (or after Reset)."""
+    blank = empty_figure(hint)
+    return View(status=message, stats=stats_html(RunStats()), text=text_html([]), plain_text="", summary={},
+                step_slider=StepControl(), tree=blank, tree_compare=blank, heads=heads_html(None), mask=blank,
+                phases=blank, accepted=blank, cumulative=blank, verify=verification_html(None, True))
+
+
+def build_view(facts: RunFacts | None, index: int | None = None, message: str = "") -> View:
+    """Every output for step `index` (0-based; default: the latest) of a run."""
+    if facts is None:
+        return empty_view(message or START_HINT)
+    if not facts.records:
+        return _prefill_view(facts, message)
+    records = facts.records
+    index = len(records) - 1 if index is None else max(0, min(int(index), len(records) - 1))
+    record = records[index]
+    note = "; ".join(n for n in (_depth_note(facts, record), _bonus_note(facts)) if n)
+    return View(
+        status=_status(facts, message, index), stats=stats_html(facts.stats), text=_text(facts, index),
+        plain_text=facts.text, summary=summary(facts, index), step_slider=StepControl(len(records), index + 1),
+        tree=tree_figure(record.outcome, tree_title(facts, record), note, facts.token_bytes),
+        tree_compare=_comparison(facts, record), heads=heads_html(record, facts.token_bytes),
+        mask=mask_figure(record.outcome, record.context_length, facts.token_bytes),
+        phases=phase_figure(records, index), accepted=accepted_figure(records, index),
+        cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
+                                                                                   facts.token_bytes))
+
+
+def _status(facts: RunFacts, message: str, index: int | None = None) -> str:
+    records = facts.records
+    recorded = f"▶ Replay of a recorded run: {facts.recording} · " if facts.recording else ""
+    parts = [f"{recorded}**{len(records)} step(s)** · {facts.strategy_label} · {facts.settings.get('precision', '')}"
+             f" · {facts.state}."]
+    if facts.spec.auto and records:
+        shown = len(records) - 1 if index is None else index
+        parts.append(f"Auto budget chose **{records[shown].outcome.tree.num_nodes} node(s)** at step {shown + 1}.")
+    if index is not None and facts.step_notes.get(index):
+        parts.append(f"👀 What to notice: {facts.step_notes[index]}")
+    if facts.note:
+        parts.append(f"Note: {facts.note}.")
+    if message:
+        parts.append(message)
+    return " ".join(parts)
+
+
+def tree_title(facts: RunFacts, record: StepRecord) -> str:
+    """The tree panel's title: which tree this step verified and how it was sized."""
+    settings, nodes = facts.settings, record.outcome.tree.num_nodes
+    top_m, depth, budget = settings.get("top_m"), settings.get("depth"), facts.budget
+    chain = " + lookup ◆" if record.outcome.lookup_rank is not None else ""
+    family = facts.spec.family
+    if record.strategy == LOOKUP:
+        main = f"Heads skipped (auto is backing off): the prompt-lookup chain alone, {nodes} nodes"
+    elif family == DYNAMIC and facts.spec.auto:
+        main = f"Dynamic tree, auto budget: {nodes} of ≤ {budget} nodes (top-{top_m}, depth {depth}){chain}"
+    elif family == DYNAMIC:
+        main = f"Dynamic tree (budget {budget}, top-{top_m}, depth {depth}){chain}"
+    elif family == HYDRA:
+        sizing = f"auto budget: {nodes} of ≤ {budget} nodes" if facts.spec.auto else f"{nodes} nodes"
+        main = f"Hydra tree grown node by node, {sizing} (depth {depth}){chain}"
+    elif family == FIXED:
+        main = f"Fixed tree {settings.get('fixed_preset')} ({nodes} nodes)"
+    else:
+        main = "Autoregressive: the root only"
+    return f"Step {record.index + 1}: {main}"
+
+
+def _depth_note(facts: RunFacts, record: StepRecord) -> str:
+    """Why a dynamic tree is shallower than the depth setting allows."""
+    tree, depth = record.outcome.tree, int(facts.settings.get("depth", 0))
+    if record.strategy != DYNAMIC or tree.num_nodes == 0 or tree.max_depth >= depth:
+        return ""
+    return f"deepest node at depth {tree.max_depth} of {depth} allowed: no deeper path scored high enough to make the budget"
+
+
+def _bonus_note(facts: RunFacts) -> str:
+    if facts.greedy:
+        return ""
+    return ("bonus sampled by the base model (from the residual after a rejected guess), so the two trees' "
+            "bonus tokens can differ")
+
+
+def _comparison(facts: RunFacts, record: StepRecord) -> Any:
+    """The fixed tree on the same step, or a message saying why there is none."""
+    family, preset = facts.spec.family, facts.settings.get("fixed_preset")
+    if record.comparison is not None:
+        return tree_figure(record.comparison, f"Fixed tree {preset}, same heads & context", _bonus_note(facts),
+                           facts.token_bytes)
+    if record.strategy == LOOKUP:
+        why = (f"No fixed-tree comparison at step {record.index + 1}: the auto budget skipped the heads this step "
+               f"(they had not paid lately) and verified only the prompt-lookup chain, so there were no head "
+               f"guesses for a fixed tree to use.")
+    elif family == FIXED:
+        why = "The tree above is the fixed tree itself."
+    elif family == HYDRA:
+        why = ("A fixed tree is a set of rank paths over the Medusa heads' guesses; the Hydra tree is grown from "
+               "its own path-conditioned guesses, so there is no fixed tree to draw beside it.")
+    elif family == AUTOREGRESSIVE:
+        why = "Autoregressive decoding builds no tree, so there is nothing to compare."
+    elif not facts.settings.get("compare_fixed"):
+        why = "The comparison is off: tick “Compare with the fixed tree” and press Start."
+    else:
+        why = f"No fixed-tree comparison at step {record.index + 1}."
+    return empty_figure(why, height=120)
+
+
+def _text(facts: RunFacts, index: int | None) -> str:
+    tokens = emitted_tokens(facts.records, facts.output_ids[0], facts.first_text, len(facts.output_ids),
+                            facts.token_bytes)
+    return text_html(tokens, index)
+
+
+def _prefill_view(facts: RunFacts, message: str) -> View:
+    default = ("The first token (from the prefill) already ended the run." if facts.finished
+               else "Prefilled. Press **Step** to run the first tree.")
+    blank = empty_figure("Prefill done: the base model chose the first token." +
+                         ("" if facts.finished else " Press Step for the first tree."))
+    status = _status(facts, message if message.startswith("⚠️") else " ".join(m for m in (message, default) if m))
+    base = empty_view("")
+    return View(status=status, stats=stats_html(facts.stats), text=_text(facts, None), plain_text=facts.text,
+                summary=summary(facts, None), step_slider=StepControl(), tree=blank, tree_compare=blank,
+                heads=base.heads, mask=base.mask, phases=base.phases, accepted=base.accepted,
+                cumulative=base.cumulative, verify=base.verify)
