@@ -21,8 +21,10 @@ import sys
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: no network calls
 
 import argparse
+import functools
 import logging
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -69,7 +71,6 @@ def render(lab: labstate.LabState | None, index: int | None = None, message: str
     return _outputs(build_view(labstate.facts_of(lab, run) if run is not None else None, index, message))
 
 
-# -- errors: the one place an exception becomes what the user sees -----------------------------------------
 def _session_key(request: gr.Request | None) -> str:
     """The Gradio session hash (one per browser tab / API client); a throwaway key when there is none."""
     key = getattr(request, "session_hash", None) if request is not None else None
@@ -118,7 +119,6 @@ def _guarded(request: gr.Request | None, action: Callable[[], tuple]) -> tuple:
         return _answer(request, error, _user_view(request))
 
 
-# -- live decoding events ------------------------------------------------------------------------------
 def _settings(values: dict[str, Any]) -> tuple[str, labstate.Settings, str]:
     """The clean prompt and the checked settings."""
     prompt, note = labstate.sanitize_prompt(values.pop("prompt"))
@@ -244,23 +244,27 @@ def on_trace(request: gr.Request = None) -> str | None:
 
 def on_load() -> str:
     """The header line: the model, heads, forward and default precision (loads the model once)."""
-    from core.model import precision_choice  # the live page only: replay never imports torch
-
-    rt = labstate.runtime(labstate.machine_precision())
-    return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · **Forward:** "
-            f"{rt.base.engine_name} · **Default precision:** {precision_choice().describe()}; fp32 is exact, bf16 "
-            f"exact up to rounding near-ties.")
+    return labstate.header_line()
 
 
 def _clear_trace() -> None:
     """A new or reset run has no trace yet (the Export box drops the previous run's file)."""
-    return None
 
 
-# -- replay events (no model) ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=512)  # a recorded step always draws the same: Back and revisits are instant
+def _recorded_view(state: replay.Replay, message: str) -> View:
+    return build_view(replay.replay_facts(state), state.shown - 1 if state.shown else None, message)
+
+
 def _replay_view(state: replay.Replay, message: str = "") -> tuple:
-    facts = replay.replay_facts(state)
-    return (state, *_outputs(build_view(facts, state.shown - 1 if state.shown else None, message)))
+    return (state, *_outputs(_recorded_view(state, message)))
+
+
+def prewarm(name: str) -> None:
+    """Draw every step of a gallery run ahead of the first visitor (a background thread in replay-only mode)."""
+    state = replay.open_gallery(name)
+    for shown in range(replay.total_steps(state) + 1):
+        _recorded_view(replay.moved(state, shown), "")
 
 
 def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> tuple:
@@ -298,12 +302,12 @@ def on_replay_step(state: replay.Replay | None) -> tuple:
 
 def on_replay_back(state: replay.Replay | None) -> tuple:
     """The recording one step back."""
-    return _replay_move(state, lambda s: replay.moved(s, s.shown - 1))
+    return _replay_move(state, replay.back)
 
 
 def on_replay_end(state: replay.Replay | None) -> tuple:
     """The whole recording at once (Run to end, without waiting)."""
-    return _replay_move(state, lambda s: replay.moved(s, replay.total_steps(s)))
+    return _replay_move(state, replay.to_end)
 
 
 def on_replay_view(step_index: float, state: replay.Replay | None) -> tuple:
@@ -311,7 +315,6 @@ def on_replay_view(step_index: float, state: replay.Replay | None) -> tuple:
     return _replay_move(state, lambda s: replay.moved(s, _step_index(step_index) + 1))
 
 
-# -- layout ---------------------------------------------------------------------------------------
 def _settings_panel() -> list[gr.components.Component]:
     """The settings, built by name; returned in `labstate.SETTING_NAMES` order (the handlers' order)."""
     from page import settings_panel
@@ -341,8 +344,9 @@ def _view_panel() -> dict[str, gr.components.Component]:
         with gr.Tab("Attention mask"):
             view["mask"] = gr.Plot(blank.mask, show_label=False, elem_id="mask-plot", label="mask")
         with gr.Tab("Timing"):
-            for name in ("phases", "accepted", "cumulative"):
-                view[name] = gr.Plot(getattr(blank, name), show_label=False, elem_id=f"{name}-plot", label=name)
+            for name, elem_id in (("phases", "phase-plot"), ("accepted", "accepted-plot"),
+                                  ("cumulative", "cumulative-plot")):
+                view[name] = gr.Plot(getattr(blank, name), show_label=False, elem_id=elem_id, label=name)
         with gr.Tab("Benchmarks"):
             benchmark_tab(RESULTS)
         with gr.Tab("Text & summary"):
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--replay-only", action="store_true", help="serve the recorded gallery; load no model")
     args = parser.parse_args(argv)
+    if REPLAY_ONLY and replay.gallery():
+        threading.Thread(target=prewarm, args=(replay.gallery()[0].name,), daemon=True).start()
     if not REPLAY_ONLY:
         try:
             labstate.runtime(labstate.machine_precision())  # load once before the first visitor

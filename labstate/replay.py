@@ -142,6 +142,16 @@ def step(replay: Replay) -> Replay:
     return moved(replay, replay.shown + 1)
 
 
+def back(replay: Replay) -> Replay:
+    """One recorded step back."""
+    return moved(replay, replay.shown - 1)
+
+
+def to_end(replay: Replay) -> Replay:
+    """The whole recording (Run to end, without waiting)."""
+    return moved(replay, total_steps(replay))
+
+
 def _prefix_stats(full: RunFacts, shown: int) -> RunStats:
     """The speed card after `shown` recorded steps: recorded timings against the recorded plain baseline."""
     records = full.records[:shown]

@@ -16,10 +16,10 @@ from core.drafters.medusa import MedusaHeads, default_heads
 from core.drafters.hydra import HydraHeads, default_hydra_heads
 from core.strategy import HYDRA
 from core.kvcache import truncate
-from core.model import BaseModel, ModelConfig, load_base_model
+from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.verify import forward_tokens
-from labstate.settings import PRECISIONS
+from labstate.settings import PRECISIONS, machine_precision
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -116,3 +116,11 @@ def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int
         times.append(time.perf_counter() - start)
         truncate(cache, context)
     return statistics.median(times)
+
+
+def header_line() -> str:
+    """The page's header: the model, heads, forward and default precision (loads the default model once)."""
+    rt = runtime(machine_precision())
+    return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · **Forward:** "
+            f"{rt.base.engine_name} · **Default precision:** {precision_choice().describe()}; fp32 is exact, bf16 "
+            f"exact up to rounding near-ties.")

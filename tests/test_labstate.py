@@ -1,0 +1,108 @@
+"""labstate on its own (quick subset): settings, the session registry on an injected clock, and a run's
+whole lifecycle on a tiny model standing in for the shipped one."""
+from __future__ import annotations
+
+import pytest
+
+import labstate
+from core.budget.cost_profile import CostProfile
+from labstate.shared import Runtime
+from tests.tiny import greedy_reference, tiny_base, tiny_heads
+from viz.trace import load_trace
+from viz.view import build_view
+
+PROMPT = "abcabcabcabc, and then?"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- settings -------------------------------------------------------------------------------------------
+def test_settings_round_trip_through_their_raw_values():
+    for strategy in labstate.UI_STRATEGIES:
+        settings = labstate.parse_settings({"strategy": strategy, "budget": 20, "precision": "fp32"})
+        assert labstate.parse_settings(settings.raw()) == settings
+    custom = labstate.parse_settings({"fixed_preset": "custom", "custom_tree": "[[0], [1], [0, 0]]", "precision": "fp32"})
+    assert custom.custom_tree == ((0,), (1,), (0, 0)) and labstate.parse_settings(custom.raw()) == custom
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"colour": "red"}, "unknown setting: colour"), ({"budget": 0}, "between 1 and 256"),
+    ({"strategy": "dynamic:40"}, "node budget is its own setting"), ({"temperature": 0.5}, "greedy rule"),
+    ({"fixed_preset": "custom", "custom_tree": "[[1, 0]]"}, "no parent"), ({"precision": "fp8"}, "fp32, bf16"),
+])
+def test_bad_settings_say_what_is_wrong(values, message):
+    with pytest.raises(labstate.LabInputError, match=message):
+        labstate.parse_settings({"precision": "fp32", **values})
+
+
+# -- the session registry -------------------------------------------------------------------------------
+def test_registry_expires_idle_sessions_evicts_the_least_recent_and_says_so():
+    clock = FakeClock()
+    registry = labstate.SessionRegistry(max_sessions=2, idle_seconds=100, clock=clock)
+    first, second = registry.open("a"), registry.open("b")
+    clock.now = 10
+    assert registry.get("a") is first  # touched: "b" is now the least recent
+    with second.working():
+        registry.open("c")  # full: "b" is busy, so the least recent idle one ("a") goes
+    assert "a" not in registry and "b" in registry and "c" in registry
+    with pytest.raises(labstate.SessionExpired):
+        registry.get("a")
+    clock.now = 200
+    with pytest.raises(labstate.SessionExpired):
+        registry.get("b")  # idle too long
+    assert registry.get("never") is None
+
+
+# -- a run's lifecycle on a tiny model ----------------------------------------------------------------------
+@pytest.fixture()
+def tiny_runtime(monkeypatch):
+    base = tiny_base("llama", max_positions=2048)  # the lab keeps room for 1024 new tokens and a 256-node tree
+    rt = Runtime(base=base, heads=tiny_heads(base), heads_description="tiny heads")
+    monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
+    monkeypatch.setitem(labstate._PROFILES, str(base.dtype),
+                        CostProfile(sizes=[1, 16, 64], ms=[10.0, 12.0, 30.0], device="cpu", model="tiny"))
+    return rt
+
+
+SETTINGS = {"strategy": "dynamic", "budget": 12, "top_m": 8, "precision": "fp32", "max_new_tokens": 20,
+            "compare_fixed": True}
+
+
+def test_start_step_run_stop_reset_on_a_tiny_model(tiny_runtime):
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    assert labstate.start_fresh(lab, PROMPT, settings) == "" and lab.run.state == "ready: press Step"
+    assert labstate.step_once(lab, PROMPT, settings) == "" and len(lab.run.session.records) == 1
+    other = labstate.parse_settings({**SETTINGS, "budget": 5})
+    assert "press **Start** to apply" in labstate.step_once(lab, PROMPT, other)
+    messages = list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True))
+    assert messages and lab.run.session.finished
+    prompt_ids = tiny_runtime.base.chat_ids(PROMPT)
+    assert lab.run.session.output_ids == greedy_reference(tiny_runtime.base, prompt_ids, 20)
+    assert labstate.greedy_check(lab, lab.run).state == "ok"  # run_to_end ran the check
+    with pytest.raises(labstate.LabNotice, match="finished"):
+        labstate.step_once(lab, PROMPT, settings)
+    facts = labstate.facts_of(lab, lab.run)
+    assert build_view(facts).summary["output_ids"] == lab.run.session.output_ids
+    assert load_trace(labstate.run_trace(lab)).facts.output_ids == facts.output_ids
+    assert labstate.stop(lab).startswith("Stopped") and lab.run.mode == labstate.STOPPED
+    labstate.reset(lab)
+    assert lab.run is None and labstate.stop(lab) == "Nothing to stop."
+    with pytest.raises(labstate.LabNotice, match="Nothing to check"):
+        labstate.check_now(lab)
+
+
+def test_a_run_that_loses_its_session_says_so(tiny_runtime):
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    loop = labstate.run_to_end(lab, PROMPT, settings, alive=iter([True, False]).__next__)
+    next(loop)
+    with pytest.raises(labstate.SessionExpired, match="expired while running"):
+        next(loop)
+    assert lab.run.mode == labstate.PAUSED and not lab.run.session.finished
