@@ -142,11 +142,13 @@ def on_start(prompt: str, strategy: str = D["strategy"], budget: int = D["budget
              depth: int = D["depth"], fixed_preset: str = D["fixed_preset"], rule: str = D["rule"],
              temperature: float = D["temperature"], precision: str = D["precision"],
              max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
-             custom_tree: str = D["custom_tree"], request: gr.Request = None) -> tuple:
+             custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
+             request: gr.Request = None) -> tuple:
     """Start (or restart) decoding `prompt`: prefill only."""
     values = dict(prompt=prompt, strategy=strategy, budget=budget, top_m=top_m, depth=depth, fixed_preset=fixed_preset,
                   rule=rule, temperature=temperature, precision=precision, max_new_tokens=max_new_tokens,
-                  compare_fixed=compare_fixed, custom_tree=custom_tree)
+                  compare_fixed=compare_fixed, custom_tree=custom_tree,
+                  compare_heads=compare_heads)
     return _decoding(request, values, labstate.start_fresh)
 
 
@@ -154,11 +156,13 @@ def on_step(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"
             depth: int = D["depth"], fixed_preset: str = D["fixed_preset"], rule: str = D["rule"],
             temperature: float = D["temperature"], precision: str = D["precision"],
             max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
-            custom_tree: str = D["custom_tree"], request: gr.Request = None) -> tuple:
+            custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
+            request: gr.Request = None) -> tuple:
     """One decoding step (starting a run first when there is none). A step queued before Stop is dropped."""
     values = dict(prompt=prompt, strategy=strategy, budget=budget, top_m=top_m, depth=depth, fixed_preset=fixed_preset,
                   rule=rule, temperature=temperature, precision=precision, max_new_tokens=max_new_tokens,
-                  compare_fixed=compare_fixed, custom_tree=custom_tree)
+                  compare_fixed=compare_fixed, custom_tree=custom_tree,
+                  compare_heads=compare_heads)
     return _decoding(request, values, labstate.step_once)
 
 
@@ -166,11 +170,13 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
            depth: int = D["depth"], fixed_preset: str = D["fixed_preset"], rule: str = D["rule"],
            temperature: float = D["temperature"], precision: str = D["precision"],
            max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
-           custom_tree: str = D["custom_tree"], request: gr.Request = None) -> Iterator[tuple]:
+           custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
+           request: gr.Request = None) -> Iterator[tuple]:
     """Step to the end, streaming every step; stops between steps on Stop, Start, Reset or eviction."""
     values = dict(prompt=prompt, strategy=strategy, budget=budget, top_m=top_m, depth=depth, fixed_preset=fixed_preset,
                   rule=rule, temperature=temperature, precision=precision, max_new_tokens=max_new_tokens,
-                  compare_fixed=compare_fixed, custom_tree=custom_tree)
+                  compare_fixed=compare_fixed, custom_tree=custom_tree,
+                  compare_heads=compare_heads)
     key = _session_key(request)
     try:
         prompt, settings, note = _settings(values)
@@ -183,16 +189,9 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
         yield _answer(request, error, _user_view(request))
 
 
-def _step_index(value: object) -> int:
-    """A 0-based record index from the Revisit box (steps are numbered from 1 on the page)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise labstate.LabInputError(f"step index must be a whole number, got {value!r}")
-    return int(max(min(value, 10**6), 1)) - 1
-
-
 def on_view(step_index: float, request: gr.Request = None) -> tuple:
     """Show a past step (steps count from 1)."""
-    return _guarded(request, lambda: render(SESSIONS.get(_session_key(request)), index=_step_index(step_index)))
+    return _guarded(request, lambda: render(SESSIONS.get(_session_key(request)), index=labstate.parse_step_index(step_index)))
 
 
 def on_check(request: gr.Request = None) -> tuple:
@@ -312,7 +311,7 @@ def on_replay_end(state: replay.Replay | None) -> tuple:
 
 def on_replay_view(step_index: float, state: replay.Replay | None) -> tuple:
     """Revisit step `step_index` of the recording."""
-    return _replay_move(state, lambda s: replay.moved(s, _step_index(step_index) + 1))
+    return _replay_move(state, lambda s: replay.moved(s, labstate.parse_step_index(step_index) + 1))
 
 
 def _settings_panel() -> list[gr.components.Component]:
@@ -340,6 +339,8 @@ def _view_panel() -> dict[str, gr.components.Component]:
                 view["verify"] = gr.HTML(blank.verify, elem_id="verify", label="verify")
             view["tree_compare"] = gr.Plot(blank.tree_compare, show_label=False, elem_id="tree-compare-plot",
                                            label="tree_compare")
+            view["tree_rival"] = gr.Plot(blank.tree_rival, show_label=False, elem_id="tree-rival-plot",
+                                         label="tree_rival")
             view["heads"] = gr.HTML(blank.heads, elem_id="heads", label="heads")
         with gr.Tab("Attention mask"):
             view["mask"] = gr.Plot(blank.mask, show_label=False, elem_id="mask-plot", label="mask")

@@ -69,6 +69,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     seed: int = 0
     compare_fixed: bool = False
+    compare_rival: bool = False  # also verify the other heads family's tree at each heads step (UI only)
     record_texts: bool = True
     auto_budget: bool = False  # dynamic:auto: per step, the node count (<= budget) maximising tokens/s
     lookup_tokens: int = 0
@@ -148,7 +149,8 @@ class DecodeSession:
     """One prompt being decoded: KV cache, emitted tokens and step records. Not thread-safe."""
 
     def __init__(self, base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt_ids: Sequence[int],
-                 config: DecodeConfig, profile: CostProfile | None = None, *, store: TokenStore | None = None) -> None:
+                 config: DecodeConfig, profile: CostProfile | None = None, *, store: TokenStore | None = None,
+                 rival: MedusaHeads | HydraHeads | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if config.strategy != AUTOREGRESSIVE:
@@ -172,6 +174,8 @@ class DecodeSession:
             raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens; the model's context of "
                              f"{base.max_positions} leaves no room for an answer")
         self.heads_drafter = self._heads_drafter(heads)
+        # the other family's heads, drafting from the same context for the side-by-side view
+        self.rival_drafter = self._heads_drafter(rival) if config.compare_rival and rival is not None else None
         self.chain_drafters = self._chain_drafters(store)
         self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -384,6 +388,20 @@ class DecodeSession:
         truncate(self.cache, context)
         return comparison, _clock(device) - c0
 
+    def _compare_rival(self, nodes: int, max_depth: int) -> tuple[TreeOutcome, float]:
+        """The other heads family's tree from the same context and size, verified but never committed."""
+        device = self.base.device
+        context, c0 = cache_length(self.cache), _clock(device)
+        proposal = self.rival_drafter.propose(DraftContext(tokens=self.prompt_ids + self.output_ids,
+                                                           hidden=self.last_hidden))
+        draft = build_draft_tree(proposal, [], max(nodes, 1), self.config.top_m, self.config.depth)
+        draft = draft.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth, size=max(nodes, 1))
+        twin = torch.Generator()  # the draws the real tree will see, never advanced (as the fixed comparison)
+        twin.set_state(self.generator.get_state())
+        rival, _, _, _ = self._verify_and_accept(draft, twin)
+        truncate(self.cache, context)
+        return rival, _clock(device) - c0
+
     def _step_tree(self, heads: HeadProposal | GrownTree | None, drafted: list[tuple[Drafter, list[Chain]]],
                    max_depth: int) -> StepRecord:
         """One tree step; without the heads (dynamic:auto backing off) the tree holds the chains alone."""
@@ -393,9 +411,12 @@ class DecodeSession:
         t1 = _clock(device)
         draft = self._build(heads, chains, max_depth)
         t2 = _clock(device)
-        comparison, compare_seconds = None, 0.0
+        comparison, compare_seconds, rival = None, 0.0, None
         if self.config.compare_fixed and self.config.strategy == DYNAMIC and isinstance(heads, HeadProposal):
             comparison, compare_seconds = self._compare_fixed(heads, max_depth)
+        if self.rival_drafter is not None and heads is not None:
+            rival, rival_seconds = self._compare_rival(draft.tree.num_nodes, max_depth)
+            compare_seconds += rival_seconds
         outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(draft)
         c0 = _clock(device)
         keep_accepted(self.cache, context, torch.tensor(outcome.accepted_nodes, device=device))
@@ -415,7 +436,7 @@ class DecodeSession:
             outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token],
             times=PhaseTimes(tree=t2 - t1, verify=verify_seconds, accept=accept_seconds,
                              commit=commit_seconds, compare=compare_seconds),
-            comparison=comparison,
+            comparison=comparison, rival=rival,
             head_texts=[self._texts(row) for row in head_ids] if self.config.record_texts else [],
         )
 
@@ -430,8 +451,9 @@ class DecodeSession:
 
 def start_session(base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt: str | Sequence[int],
                   config: DecodeConfig, profile: CostProfile | None = None, *,
-                  store: TokenStore | None = None) -> DecodeSession:
-    """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session."""
+                  store: TokenStore | None = None, rival: MedusaHeads | HydraHeads | None = None) -> DecodeSession:
+    """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session.
+    `rival`: the other heads family, drafting beside `heads` when `config.compare_rival` (UI only)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty")
@@ -442,7 +464,7 @@ def start_session(base: BaseModel, heads: MedusaHeads | HydraHeads | None, promp
         prompt_ids = base.chat_ids(prompt)
     else:
         prompt_ids = [int(i) for i in prompt]
-    return DecodeSession(base, heads, prompt_ids, config, profile, store=store)
+    return DecodeSession(base, heads, prompt_ids, config, profile, store=store, rival=rival)
 
 
 def decode(base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt: str | Sequence[int], config: DecodeConfig,

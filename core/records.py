@@ -107,6 +107,7 @@ class StepRecord:
     head_texts: list[list[str]] = field(default_factory=list)
     top_logits: tuple[float, float] | None = None  # plain steps: the base model's top-1 and top-2 logits
     controller: str = ""  # dynamic:auto's state when it chose this step (core.budget.controller.AutoBudget.state)
+    rival: TreeOutcome | None = None  # the other heads family's tree (Hydra <-> Medusa) on the same context
 
     @property
     def top2_gap(self) -> float | None:

@@ -25,7 +25,7 @@ _HOMES = {
     "prompt": ("sanitize_prompt",),
     "settings": ("AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "PRECISIONS", "SETTING_NAMES", "STORE_STRATEGY",
                  "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "load_named_trees", "machine_precision",
-                 "parse_custom_tree", "parse_settings"),
+                 "parse_custom_tree", "parse_settings", "parse_step_index"),
     "shared": ("_PROFILES", "Runtime", "cost_profile", "header_line", "measure_forward_seconds", "runtime"),
     "modes": ("PAUSED", "READY", "RUNNING", "STOPPED"),
     "runs": ("Prepared", "Run", "decode_config", "fixed_choice", "prepare"),

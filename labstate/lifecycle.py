@@ -43,8 +43,9 @@ def start_prepared(lab: LabState, prepared: Prepared) -> Run:
     lab.interrupt()  # a Run loop on the previous run stops
     acquire(lab)
     try:
+        rival = rt.rival_for(config.strategy) if config.compare_rival else None
         session = start_session(rt.base, rt.heads_for(config.strategy), prepared.prompt_ids, config,
-                                profile if config.auto_budget else None)
+                                profile if config.auto_budget else None, rival=rival)
         precision = prepared.settings.precision
         if precision not in lab.forward_seconds:
             lab.forward_seconds[precision] = measure_forward_seconds(rt.base, session.prompt_ids)

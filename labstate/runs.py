@@ -106,6 +106,7 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
     accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
     base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
-                        compare_fixed=settings.compare_fixed and dynamic)
+                        compare_fixed=settings.compare_fixed and dynamic,
+                        compare_rival=settings.compare_heads and settings.spec.grown)
     config = replace(strategy_config(settings.spec.with_budget(settings.budget), base), fixed_tree=tree)
     return config, note if uses_fixed else ""

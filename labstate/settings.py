@@ -67,6 +67,7 @@ class Settings:
     max_new_tokens: int = 128
     compare_fixed: bool = True
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
+    compare_heads: bool = False  # also the other heads' tree (Medusa <-> Hydra) on the same context
 
     @property
     def greedy(self) -> bool:
@@ -183,6 +184,7 @@ CHECKS: dict[str, Callable[[object], object]] = {
     "max_new_tokens": lambda v: _as_int("max new tokens", v, 1, MAX_NEW_TOKENS),
     "compare_fixed": lambda v: _as_bool("compare with the fixed tree", v),
     "custom_tree": lambda v: v,  # read by parse_custom_tree, and only when the preset is "custom"
+    "compare_heads": lambda v: _as_bool("compare with the other heads", v),
 }
 SETTING_NAMES: tuple[str, ...] = tuple(CHECKS)
 
@@ -256,3 +258,10 @@ def parse_custom_tree(text: object) -> tuple[tuple[int, ...], ...]:
     except ValueError as error:
         raise LabInputError(f"custom tree: {error}") from None
     return tuple(tree.paths)
+
+
+def parse_step_index(value: object) -> int:
+    """A 0-based record index from the Revisit box (steps are numbered from 1 on the page)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise LabInputError(f"step index must be a whole number, got {value!r}")
+    return int(max(min(value, 10**6), 1)) - 1

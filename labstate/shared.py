@@ -60,6 +60,10 @@ class Runtime:
             raise ValueError("Hydra heads are not shipped with this copy of the lab (assets/hydra is missing)")
         return self.hydra
 
+    def rival_for(self, strategy: str) -> MedusaHeads | HydraHeads | None:
+        """The other family's heads (Hydra beside Medusa, Medusa beside Hydra); None when not shipped."""
+        return self.heads if strategy == HYDRA else self.hydra
+
     @functools.cached_property
     def token_bytes(self) -> dict[int, bytes]:
         """Every token id's raw UTF-8 bytes (a byte-level token may hold part of a character)."""

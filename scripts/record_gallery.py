@@ -51,6 +51,12 @@ def _right_then_wrong(records: list[StepRecord]) -> dict[int, str]:
             if r.strategy not in (AUTOREGRESSIVE, LOOKUP) and _accepted(r) == 2 and r.outcome.tree.max_depth >= 3}
 
 
+def _hydra_beats_medusa(records: list[StepRecord]) -> dict[int, str]:
+    return {r.index: f"Hydra's tree (below) would accept {r.rival.accepted_length - 1} token(s) here, Medusa's "
+                     f"{_accepted(r)}: its deeper guesses follow the path above them"
+            for r in records if r.rival is not None and r.rival.accepted_length > r.outcome.accepted_length}
+
+
 def _long_copies(records: list[StepRecord]) -> dict[int, str]:
     return {r.index: f"the prompt-lookup chain (◆) copied {sum(1 for n in r.outcome.accepted_nodes[1:] if r.outcome.node_source(n) == 'lookup')} "
                      f"tokens from the prompt in one step" for r in records
@@ -87,7 +93,7 @@ def _accepting(records: list[StepRecord]) -> dict[int, str]:
 
 PROMPT_SKY = "Explain in three sentences why the sky is blue."
 BASE = dict(budget=63, top_m=32, depth=4, fixed_preset="mc_sim_7b_63", rule="greedy", temperature=0.0,
-            precision="fp32", max_new_tokens=64, compare_fixed=True, custom_tree="")
+            precision="fp32", max_new_tokens=64, compare_fixed=True, custom_tree="", compare_heads=False)
 RECORDINGS = [
     Recording("dynamic_vs_fixed", "Dynamic tree vs Medusa's fixed tree",
               "Every step verifies the dynamic tree (top) and, for comparison, Medusa's fixed 63-node tree on the "
@@ -99,10 +105,11 @@ RECORDINGS = [
               "depth: head 1 is often right, head 3 rarely. The verification table shows where each path stopped.",
               "Give me a recipe for pancakes.", dict(BASE, strategy="dynamic", compare_fixed=False),
               _right_then_wrong),
-    Recording("hydra_tree", "Hydra heads: guesses that read the path",
-              "Hydra heads see the tokens drafted before them, so a node's children depend on the node: the tree "
-              "is grown node by node. Compare it with the Medusa tree of the first gallery run (same prompt).",
-              PROMPT_SKY, dict(BASE, strategy="hydra", compare_fixed=False), _right_then_wrong),
+    Recording("hydra_beside_medusa", "Hydra's tree beside Medusa's, same context",
+              "At every step the Medusa heads' dynamic tree (top) is verified, and the Hydra heads grow their own "
+              "tree of the same size from the same context (bottom). Hydra's guesses read the path drafted before "
+              "them, so the second token can follow the first: watch where that makes Hydra accept more.",
+              PROMPT_SKY, dict(BASE, strategy="dynamic", compare_fixed=False, compare_heads=True), _hydra_beats_medusa),
     Recording("prompt_lookup_copy", "Prompt lookup copies a long span",
               "When the answer repeats the prompt, the prompt-lookup chain (◆) proposes the text that followed "
               "the last words where they appeared before, and a whole span is accepted in one verify.",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from viz.view import VIEW_FIELDS, build_view
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 42, 17, 42, 99, 3, 17, 42]  # repeats: the lookup chain has something to copy
-REQUIRED_GALLERY = {"dynamic_vs_fixed", "right_then_wrong", "hydra_tree", "prompt_lookup_copy", "datastore_phrase",
+REQUIRED_GALLERY = {"dynamic_vs_fixed", "right_then_wrong", "hydra_beside_medusa", "prompt_lookup_copy", "datastore_phrase",
                     "auto_falls_back", "typical_acceptance", "speculative_sampling"}
 
 
@@ -33,9 +34,10 @@ def _same(left, right) -> bool:
 def _live_facts(spec_text: str, **config) -> RunFacts:
     base = tiny_base("llama")
     spec = parse_strategy(spec_text)
-    heads = tiny_hydra(base) if spec.family == "hydra" else tiny_heads(base)
+    medusa, hydra = tiny_heads(base), tiny_hydra(base)
+    heads, rival = (hydra, medusa) if spec.family == "hydra" else (medusa, hydra)
     decode = strategy_config(spec.with_budget(12), DecodeConfig(max_new_tokens=10, top_m=8, **config))
-    session = start_session(base, heads, PROMPT, decode)
+    session = start_session(base, heads, PROMPT, decode, rival=rival)
     while not session.finished:
         session.step()
     stats = RunStats(tokens=len(session.output_ids), steps=len(session.records), mean_accepted=session.tokens_per_step,
@@ -43,7 +45,7 @@ def _live_facts(spec_text: str, **config) -> RunFacts:
                      vs_plain=1.7, vs_plain_basis="measured plain run", vs_plain_why="wins: a test")
     settings = {"strategy": spec.text, "budget": 12, "top_m": 8, "depth": 4, "fixed_preset": "mc_sim_7b_63",
                 "rule": "greedy", "temperature": 0.0, "precision": "fp32", "max_new_tokens": 24,
-                "compare_fixed": decode.compare_fixed, "custom_tree": ""}
+                "compare_fixed": decode.compare_fixed, "custom_tree": "", "compare_heads": decode.compare_rival}
     return RunFacts(prompt="tiny", spec=spec, settings=settings, records=list(session.records),
                     output_ids=list(session.output_ids), first_text="x", text="tiny text",
                     token_bytes={t: bytes([t]) for t in range(256)}, stats=stats, check={"state": "ok"},
@@ -52,7 +54,7 @@ def _live_facts(spec_text: str, **config) -> RunFacts:
 
 
 @pytest.mark.parametrize("spec, config", [("dynamic", {"compare_fixed": True}), ("fixed", {}),
-                                          ("dynamic:auto+lookup", {}), ("hydra", {})])
+                                          ("dynamic:auto+lookup", {}), ("hydra", {"compare_rival": True})])
 def test_a_trace_draws_every_view_as_the_live_run_did(spec, config):
     live = _live_facts(spec, **config)
     loaded = load_trace(trace_json(live, {"title": "round trip"})).facts
@@ -66,6 +68,30 @@ def test_a_trace_draws_every_view_as_the_live_run_did(spec, config):
             assert _same(getattr(ours, name), getattr(theirs, name)), (spec, index, name)
 
 
+@pytest.mark.parametrize("family", ["dynamic", "hydra"])
+def test_two_drafters_grow_their_trees_from_the_same_context_and_change_nothing(family):
+    base = tiny_base("llama")
+    medusa, hydra = tiny_heads(base), tiny_hydra(base)
+    heads, rival = (hydra, medusa) if family == "hydra" else (medusa, hydra)
+    config = DecodeConfig(strategy=family, budget=10, top_m=8, max_new_tokens=12)
+    alone = start_session(base, heads, PROMPT, config)
+    beside = start_session(base, heads, PROMPT, replace(config, compare_rival=True), rival=rival)
+    for session in (alone, beside):
+        while not session.finished:
+            session.step()
+    assert beside.output_ids == alone.output_ids  # the other tree is verified, never committed
+    drafted = [r for r in beside.records if r.strategy == family]  # steps near the token limit may be plain
+    assert len(drafted) >= 3 and all(r.rival is not None for r in drafted)
+    assert all(r.rival is None for r in alone.records)
+    for record in drafted:
+        assert record.rival.grown == (family == "dynamic")  # Hydra beside Medusa, Medusa beside Hydra
+        assert record.rival.node_tokens[0] == record.outcome.node_tokens[0]  # the same root: the same context
+        assert 1 <= record.rival.tree.num_nodes <= max(record.outcome.tree.num_nodes, 1)
+    facts = _live_facts(family, compare_rival=True)
+    view = build_view(facts, 0)
+    assert "same context" in view.tree_rival.layout.title.text and view.tree_rival.data
+
+
 def test_the_shipped_gallery_replays_every_step_without_a_model():
     entries = {entry.name: entry for entry in replay.gallery()}
     assert REQUIRED_GALLERY <= set(entries) and len(entries) >= 8
@@ -75,9 +101,9 @@ def test_the_shipped_gallery_replays_every_step_without_a_model():
         total = replay.total_steps(state)
         assert total > 0 and build_view(replay.replay_facts(state)).tree is not None
         notes = replay.trace_of(state).facts.step_notes
-        assert name in ("hydra_tree",) or notes, f"{name}: nothing noted"  # the notes come from the records
+        assert notes, f"{name}: nothing noted"  # the notes come from the records
         assert all(0 <= step < total for step in notes)
-        drawn = sorted({0, total - 1, *list(notes)[:3]})  # every step loads; the noted ones are drawn in full
+        drawn = sorted({total - 1, *list(notes)[:1]})  # every step loads; a noted one and the last are drawn
         for step in drawn:
             view = build_view(replay.replay_facts(replay.moved(state, step + 1)), step)
             assert f"Step {step + 1}:" in view.tree.layout.title.text

@@ -11,7 +11,8 @@ Format (version 2), one JSON object:
 - `steps`: one `core.records.StepRecord` per step, field by field: the heads' top-m tokens and
   probabilities, the verified tree (`outcome`: rank paths, scores, node tokens and texts, sources,
   accepted path, bonus token, the base model's argmax after each node), the fixed-tree
-  counterfactual (`comparison`), phase times, the controller's state;
+  counterfactual (`comparison`), the other heads family's tree on the same context (`rival`: Hydra
+  beside Medusa or Medusa beside Hydra), phase times, the controller's state;
 - `meta`: free-form extras (the run summary, the DecodeConfig, prefill time; a gallery entry adds
   `title`, `notice` and per-step `notes`).
 
@@ -72,8 +73,9 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
     data = to_jsonable(record)
     data["times"]["total"] = to_jsonable(record.times.total)
     data["outcome"]["accepted_length"] = record.outcome.accepted_length
-    if record.comparison is not None:
-        data["comparison"]["accepted_length"] = record.comparison.accepted_length
+    for name in ("comparison", "rival"):
+        if getattr(record, name) is not None:
+            data[name]["accepted_length"] = getattr(record, name).accepted_length
     return data
 
 
@@ -83,9 +85,10 @@ def _drawn_tokens(facts: RunFacts) -> set[int]:
         tokens.update(record.outcome.node_tokens)
         tokens.add(record.outcome.bonus_token)
         tokens.update(t for row in record.head_token_ids for t in row)
-        if record.comparison is not None:
-            tokens.update(record.comparison.node_tokens)
-            tokens.add(record.comparison.bonus_token)
+        for other in (record.comparison, record.rival):
+            if other is not None:
+                tokens.update(other.node_tokens)
+                tokens.add(other.bonus_token)
     return tokens
 
 
@@ -169,7 +172,8 @@ def _step(data: dict, number: int) -> StepRecord:
         head_token_ids=heads, head_probs=probs, outcome=_outcome(data["outcome"]), new_tokens=_ints(data["new_tokens"]),
         times=PhaseTimes(**times), comparison=None if data.get("comparison") is None else _outcome(data["comparison"]),
         head_texts=[_strs(row) for row in data.get("head_texts", [])],
-        top_logits=None if top is None else (_float(top[0]), _float(top[1])), controller=str(data.get("controller", "")))
+        top_logits=None if top is None else (_float(top[0]), _float(top[1])), controller=str(data.get("controller", "")),
+        rival=None if data.get("rival") is None else _outcome(data["rival"]))
     if record.index != number:
         raise ValueError(f"step {number + 1} says it is step {record.index + 1}")
     return record

@@ -48,6 +48,7 @@ class View:
     accepted: Any
     cumulative: Any
     verify: str
+    tree_rival: Any  # the other heads family's tree on the same context (Medusa <-> Hydra)
 
 
 VIEW_FIELDS = tuple(f.name for f in fields(View))
@@ -58,7 +59,8 @@ def empty_view(message: str = START_HINT, hint: str = "Type a prompt and press S
     blank = empty_figure(hint)
     return View(status=message, stats=stats_html(RunStats()), text=text_html([]), plain_text="", summary={},
                 step_slider=StepControl(), tree=blank, tree_compare=blank, heads=heads_html(None), mask=blank,
-                phases=blank, accepted=blank, cumulative=blank, verify=verification_html(None, True))
+                phases=blank, accepted=blank, cumulative=blank, verify=verification_html(None, True),
+                tree_rival=empty_figure("", height=60))
 
 
 def build_view(facts: RunFacts | None, index: int | None = None, message: str = "") -> View:
@@ -79,7 +81,8 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
         mask=mask_figure(record.outcome, record.context_length, facts.token_bytes),
         phases=phase_figure(records, index), accepted=accepted_figure(records, index),
         cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
-                                                                                   facts.token_bytes))
+                                                                                   facts.token_bytes),
+        tree_rival=_rival(facts, record))
 
 
 def _status(facts: RunFacts, message: str, index: int | None = None) -> str:
@@ -160,6 +163,21 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
     return empty_figure(why, height=120)
 
 
+def _rival(facts: RunFacts, record: StepRecord) -> Any:
+    """The other heads family's tree on the same context, with what it would have accepted."""
+    rival = record.rival
+    if rival is None:
+        wanted = facts.settings.get("compare_heads") and facts.spec.grown
+        why = (f"No other heads' tree at step {record.index + 1} (no heads step, or the other heads are not "
+               f"shipped)." if wanted else "")
+        return empty_figure(why, height=80 if why else 60)
+    other = "Hydra heads (each guess reads its path)" if rival.grown else "Medusa heads (one guess per depth)"
+    mine, theirs = record.outcome.accepted_length - 1, rival.accepted_length - 1
+    title = (f"Step {record.index + 1}, same context: the {other} tree of {rival.tree.num_nodes} nodes would "
+             f"accept {theirs} token(s); this run's tree accepted {mine}")
+    return tree_figure(rival, title, _bonus_note(facts), facts.token_bytes)
+
+
 def _text(facts: RunFacts, index: int | None) -> str:
     tokens = emitted_tokens(facts.records, facts.output_ids[0], facts.first_text, len(facts.output_ids),
                             facts.token_bytes)
@@ -176,4 +194,4 @@ def _prefill_view(facts: RunFacts, message: str) -> View:
     return View(status=status, stats=stats_html(facts.stats), text=_text(facts, None), plain_text=facts.text,
                 summary=summary(facts, None), step_slider=StepControl(), tree=blank, tree_compare=blank,
                 heads=base.heads, mask=base.mask, phases=base.phases, accepted=base.accepted,
-                cumulative=base.cumulative, verify=base.verify)
+                cumulative=base.cumulative, verify=base.verify, tree_rival=base.tree_rival)
