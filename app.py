@@ -3,8 +3,7 @@
 Layout and event wiring only: `labstate` runs the decoder (core/) and replays recorded runs, `viz`
 draws, `page` builds the components. Importing this module builds the Blocks and launches nothing;
 `python app.py [--port N] [--replay-only]` serves on 127.0.0.1. Replay-only (or MEDUSA_LAB_REPLAY_ONLY=1)
-serves the recorded gallery without importing torch or transformers; a server whose model cannot
-load falls back to it and says so.
+serves the recorded gallery without torch or transformers; a server whose model cannot load falls back to it.
 
 API (gradio_client): start, step, run (streams) take (prompt, **settings) by `labstate.SETTING_NAMES`
 (defaults: the page's; strategies in core.strategy's grammar); view(step_index), check(),
@@ -131,6 +130,7 @@ def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable)
     """One settings event: parse, then `act(lab, prompt, settings)` -> message, then draw the run."""
     def action() -> tuple:
         prompt, settings, note = _settings(values)
+        labstate.warm_up(settings.precision, settings.spec.family != "autoregressive", gr.Info)  # says what it does
         key = _session_key(request)
         lab = labstate.decoding_state(SESSIONS, key) if act is not labstate.start_fresh else SESSIONS.open(key)
         with lab.working():
@@ -180,6 +180,7 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
     key = _session_key(request)
     try:
         prompt, settings, note = _settings(values)
+        labstate.warm_up(settings.precision, settings.spec.family != "autoregressive", gr.Info)
         lab = labstate.decoding_state(SESSIONS, key)
         with lab.working():
             for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab)):

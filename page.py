@@ -54,7 +54,7 @@ def replay_controls(gallery: tuple, open_: bool) -> dict:
                "pick": gr.Dropdown(choices, value=choices[0][1] if open_ and choices else None,
                                    label="Gallery run (each shows one thing)", elem_id="gallery-pick"),
                "upload": gr.File(label="…or replay a trace you exported (.json)", file_types=[".json"],
-                                 type="binary", elem_id="trace-upload", height=90)}
+                                 type="binary", elem_id="trace-upload", height=130)}
         with gr.Row():
             box["back"] = gr.Button("◀ Back", size="sm", elem_id="replay-back-btn")
             box["step"] = gr.Button("Step ▶", variant="primary", size="sm", elem_id="replay-step-btn")

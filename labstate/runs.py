@@ -109,4 +109,6 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
                         compare_fixed=settings.compare_fixed and dynamic,
                         compare_rival=settings.compare_heads and settings.spec.grown)
     config = replace(strategy_config(settings.spec.with_budget(settings.budget), base), fixed_tree=tree)
+    if note and settings.strategy != FIXED:
+        note = f"the comparison's {note}"  # the run's own tree is dynamic: only the side-by-side tree is cut
     return config, note if uses_fixed else ""

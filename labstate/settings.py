@@ -204,7 +204,13 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
         raise LabInputError("the greedy rule needs temperature 0; pick typical or speculative acceptance to sample")
     spec = checked.pop("strategy")
     custom = checked.pop("custom_tree")
-    paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
+    try:
+        paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
+    except LabInputError as error:
+        if spec.family == FIXED:
+            raise
+        raise LabInputError(f"{error} (with the {spec.text} strategy only the fixed-tree comparison uses the custom "
+                            f"tree: fix it, pick a preset, or untick the comparison)") from None
     return Settings(spec=spec, custom_tree=paths, **checked)
 
 

@@ -9,6 +9,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -80,6 +81,9 @@ class Runtime:
         return table
 
 
+_LOADED: set[str] = set()  # precisions whose model is loaded (warm_up says so before it loads one)
+
+
 @functools.lru_cache(maxsize=len(PRECISIONS))
 def runtime(precision: str) -> Runtime:
     """Load (once) the base model in `precision` and heads of the same dtype and device."""
@@ -89,7 +93,19 @@ def runtime(precision: str) -> Runtime:
     hydra = default_hydra_heads(dtype=base.dtype, device=base.device)
     if hydra is not None:
         description += f"; Hydra heads from assets/hydra ({hydra.config.num_heads} heads)"
+    _LOADED.add(precision)
     return Runtime(base=base, heads=heads, heads_description=description, hydra=hydra)
+
+
+def warm_up(precision: str, tree: bool, notify: Callable[[str], None]) -> None:
+    """Load what a first Start needs, saying what it does first: the model in `precision` (once per
+    precision) and, for tree strategies, the verify-cost profile (measured once, then cached on disk)."""
+    if precision not in _LOADED:
+        notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
+    rt = runtime(precision)
+    if tree and str(rt.base.dtype) not in _PROFILES:
+        notify("Measuring what a tree verify costs on this machine (once per precision, then cached: 5-10 s)…")
+        cost_profile(rt)
 
 
 _PROFILES: dict[str, CostProfile] = {}  # model dtype -> verify-cost profile (tests may seed it)

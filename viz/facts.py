@@ -84,6 +84,30 @@ class RunFacts:
         return self.spec.with_budget(self.budget or None).label
 
 
+def token_sources(records: Sequence[StepRecord]) -> dict[str, int]:
+    """Emitted tokens by who proposed them: the heads, prompt lookup, the datastore, or the base model
+    itself (every step's bonus token, and every token of a plain step)."""
+    counts = {"heads": 0, "lookup": 0, "store": 0, "base model": 0}
+    for record in records:
+        outcome = record.outcome
+        for node in outcome.accepted_nodes[1:]:
+            source = outcome.node_source(node)
+            counts[source if source in counts else "heads"] += 1
+        counts["base model"] += 1
+    return counts
+
+
+def loops(output_ids: Sequence[int], width: int = 8, repeats: int = 3) -> bool:
+    """True when the text's last 96 tokens repeat one `width`-token span `repeats` times or more (a loop:
+    any drafter that copies earlier text accepts it all, so a speed-up there says little)."""
+    tail = list(output_ids[-96:])
+    seen: dict[tuple[int, ...], int] = {}
+    for start in range(len(tail) - width + 1):
+        span = tuple(tail[start:start + width])
+        seen[span] = seen.get(span, 0) + 1
+    return any(count >= repeats for count in seen.values())
+
+
 def summary(facts: RunFacts, index: int | None) -> dict[str, Any]:
     """The run summary (the Text & summary tab and every trace's meta)."""
     stats = facts.stats

@@ -211,7 +211,7 @@ def _speed_card(stats: RunStats) -> str:
     if stats.vs_plain is None:
         sub = (f'<div class="sub neutral">{escape(stats.vs_plain_basis)}</div>' if stats.vs_plain_basis else "")
     elif _measured(stats):
-        state = "wins" if stats.vs_plain >= 1.0 else "loses"
+        state = "wins" if stats.vs_plain >= 1.05 else "loses" if stats.vs_plain < 0.95 else "ties"
         ratio = f"{stats.vs_plain:.1f}" if stats.vs_plain >= 0.95 else f"{stats.vs_plain:.2f}"
         sub = (f'<div class="sub {state}" title="{escape(stats.vs_plain_basis)}">{ratio}× plain '
                f'decoding (measured)</div>')
@@ -229,17 +229,34 @@ def _speed_note(stats: RunStats) -> str:
     if not _measured(stats):
         return (f'<div class="speed-note neutral">An estimate ({escape(stats.vs_plain_basis)}); the verdict comes '
                 f'when the plain run of this prompt is measured (at the end of the run, or press Check).</div>')
-    state = "wins" if stats.vs_plain >= 1.0 else "loses"
+    if 0.95 <= stats.vs_plain < 1.05:  # within a run's noise: no verdict
+        return (f'<div class="speed-note neutral">About as fast as plain decoding '
+                f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
+    state = "wins" if stats.vs_plain >= 1.05 else "loses"
     return (f'<div class="speed-note {state}">This setting {escape(stats.vs_plain_why)} '
             f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
 
 
-def stats_html(stats: RunStats) -> str:
-    """Cards with the running totals, the speed against plain decoding and the greedy-exactness check."""
+def sources_note(sources: dict[str, int], looping: bool) -> str:
+    """Who produced the tokens (so a speed-up is credited to the right drafter), and a warning on loops."""
+    guessed = {k: v for k, v in sources.items() if k != "base model" and v}
+    if not guessed and not looping:
+        return ""
+    names = {"heads": "the heads", "lookup": "prompt lookup", "store": "the datastore"}
+    parts = ", ".join(f"{v} by {names[k]}" for k, v in guessed.items()) or "none"
+    loop = (" The text repeats itself (a loop): copying drafters accept loops whole, so this speed-up says little "
+            "about other text." if looping else "")
+    return (f'<div class="speed-note neutral">Accepted guesses: {escape(parts)}; '
+            f'{sources.get("base model", 0)} token(s) from the base model itself.{escape(loop)}</div>')
+
+
+def stats_html(stats: RunStats, sources: str = "") -> str:
+    """Cards with the running totals, the speed against plain decoding and the greedy-exactness check;
+    `sources`: the `sources_note` under them."""
     cards = [("tokens", f"{stats.tokens}"), ("steps", f"{stats.steps}"), ("tokens / step", f"{stats.mean_accepted:.2f}")]
     items = "".join(f'<div class="card"><div class="v">{escape(v)}</div><div class="k">{escape(k)}</div></div>'
                     for k, v in cards)
     check = (f'<div class="card check {escape(stats.check_state)}"><div class="v">{escape(stats.check)}</div>'
              f'<div class="k">vs plain greedy decoding</div></div>') if stats.check else ""
     return (f'<div class="stats">{items}{_speed_card(stats)}{check}<div class="card status"><div class="v">'
-            f'{escape(stats.status)}</div><div class="k">status</div></div></div>{_speed_note(stats)}')
+            f'{escape(stats.status)}</div><div class="k">status</div></div></div>{_speed_note(stats)}{sources}')

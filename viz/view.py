@@ -9,9 +9,9 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
-from viz.facts import RunFacts, RunStats, summary
+from viz.facts import RunFacts, RunStats, loops, summary, token_sources
 from viz.mask_plot import mask_figure
-from viz.text_html import emitted_tokens, heads_html, stats_html, text_html
+from viz.text_html import emitted_tokens, heads_html, sources_note, stats_html, text_html
 from viz.timing_plot import accepted_figure, cumulative_figure, phase_figure
 from viz.tree_plot import empty_figure, tree_figure
 from viz.verify_view import verification_html
@@ -74,7 +74,7 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
     record = records[index]
     note = "; ".join(n for n in (_depth_note(facts, record), _bonus_note(facts)) if n)
     return View(
-        status=_status(facts, message, index), stats=stats_html(facts.stats), text=_text(facts, index),
+        status=_status(facts, message, index), stats=_stats(facts), text=_text(facts, index),
         plain_text=facts.text, summary=summary(facts, index), step_slider=StepControl(len(records), index + 1),
         tree=tree_figure(record.outcome, tree_title(facts, record), note, facts.token_bytes),
         tree_compare=_comparison(facts, record), heads=heads_html(record, facts.token_bytes),
@@ -163,6 +163,11 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
     return empty_figure(why, height=120)
 
 
+def _stats(facts: RunFacts) -> str:
+    """The cards, with who produced the tokens so far (and a word when the text loops)."""
+    return stats_html(facts.stats, sources_note(token_sources(facts.records), loops(facts.output_ids)))
+
+
 def _rival(facts: RunFacts, record: StepRecord) -> Any:
     """The other heads family's tree on the same context, with what it would have accepted."""
     rival = record.rival
@@ -191,7 +196,7 @@ def _prefill_view(facts: RunFacts, message: str) -> View:
                          ("" if facts.finished else " Press Step for the first tree."))
     status = _status(facts, message if message.startswith("⚠️") else " ".join(m for m in (message, default) if m))
     base = empty_view("")
-    return View(status=status, stats=stats_html(facts.stats), text=_text(facts, None), plain_text=facts.text,
+    return View(status=status, stats=_stats(facts), text=_text(facts, None), plain_text=facts.text,
                 summary=summary(facts, None), step_slider=StepControl(), tree=blank, tree_compare=blank,
                 heads=base.heads, mask=base.mask, phases=base.phases, accepted=base.accepted,
                 cumulative=base.cumulative, verify=base.verify, tree_rival=base.tree_rival)
