@@ -48,8 +48,7 @@ TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
 PAGE_JS = (ASSETS / "page.js").read_text(encoding="utf-8")  # light theme, Enter in Revisit, arrow-key stepping
 VIEW_OUTPUT_NAMES = VIEW_FIELDS
-# the API's defaults are the page's (the live page only: they measure the machine's precision)
-D = dict.fromkeys(labstate.SETTING_NAMES) if REPLAY_ONLY else labstate.Settings().raw()
+D = dict.fromkeys(labstate.SETTING_NAMES) if REPLAY_ONLY else labstate.Settings().raw()  # the API's = the page's
 log = logging.getLogger("medusa_lab")
 
 
@@ -260,10 +259,10 @@ def _replay_view(state: replay.Replay, message: str = "") -> tuple:
     return (state, *_outputs(_recorded_view(state, message)))
 
 
-def prewarm(name: str) -> None:
-    """Draw every step of a gallery run ahead of the first visitor (a background thread in replay-only mode)."""
-    state = replay.open_gallery(name)
-    for shown in range(replay.total_steps(state) + 1):
+def prewarm() -> None:
+    """Draw every step of the first gallery run ahead of the first visitor (replay-only mode, in a thread)."""
+    state = replay.open_gallery(replay.gallery()[0].name) if replay.gallery() else None
+    for shown in range(replay.total_steps(state) + 1 if state else 0):
         _recorded_view(replay.moved(state, shown), "")
 
 
@@ -335,6 +334,7 @@ def _view_panel() -> dict[str, gr.components.Component]:
                                      interactive=False, elem_id="step-slider")}
     with gr.Tabs():
         with gr.Tab("Trees: dynamic vs fixed"):
+            view["notice"] = gr.Markdown(blank.notice, elem_id="notice", elem_classes=["notice"])
             view["tree"] = gr.Plot(blank.tree, show_label=False, elem_id="tree-plot", label="tree")
             with gr.Accordion("Verification: why the path stopped there", open=True):
                 view["verify"] = gr.HTML(blank.verify, elem_id="verify", label="verify")
@@ -434,9 +434,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--replay-only", action="store_true", help="serve the recorded gallery; load no model")
     args = parser.parse_args(argv)
-    if REPLAY_ONLY and replay.gallery():
-        threading.Thread(target=prewarm, args=(replay.gallery()[0].name,), daemon=True).start()
-    if not REPLAY_ONLY:
+    if REPLAY_ONLY:
+        threading.Thread(target=prewarm, daemon=True).start()
+    else:
         try:
             labstate.runtime(labstate.machine_precision())  # load once before the first visitor
         except Exception as error:  # noqa: BLE001  (a Space without the model still shows the gallery)

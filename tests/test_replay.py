@@ -21,7 +21,7 @@ from viz.view import VIEW_FIELDS, build_view
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 42, 17, 42, 99, 3, 17, 42]  # repeats: the lookup chain has something to copy
 REQUIRED_GALLERY = {"dynamic_vs_fixed", "right_then_wrong", "hydra_beside_medusa", "prompt_lookup_copy", "datastore_phrase",
-                    "auto_falls_back", "typical_acceptance", "speculative_sampling"}
+                    "auto_falls_back", "typical_acceptance", "speculative_sampling", "bf16_near_tie"}
 
 
 def _same(left, right) -> bool:

@@ -70,6 +70,7 @@ class RunFacts:
     heads: str = ""
     recording: str = ""  # a replayed run: its title (the page says live decoding is not involved)
     step_notes: dict[int, str] = field(default_factory=dict)  # replay: "what to notice" at a step (0-based)
+    notice: str = ""  # replay: what the whole recorded run is there to show
 
     @property
     def budget(self) -> int:

@@ -199,7 +199,7 @@ def _facts(data: dict, steps: list[StepRecord], meta: dict) -> RunFacts:
                     note=str(data.get("note", "")), finished=bool(data.get("finished", False)),
                     stop_reason=str(data.get("stop_reason", "")), model=str(data.get("model", "")),
                     heads=str(data.get("heads", "")), recording=str(meta.get("title", "an exported run")),
-                    step_notes=notes)
+                    step_notes=notes, notice=str(meta.get("notice", "")))
 
 
 def _parse(raw: str | bytes) -> dict:

@@ -49,6 +49,7 @@ class View:
     cumulative: Any
     verify: str
     tree_rival: Any  # the other heads family's tree on the same context (Medusa <-> Hydra)
+    notice: str  # replay: what to notice at this step (or in the run), beside the tree
 
 
 VIEW_FIELDS = tuple(f.name for f in fields(View))
@@ -60,7 +61,7 @@ def empty_view(message: str = START_HINT, hint: str = "Type a prompt and press S
     return View(status=message, stats=stats_html(RunStats()), text=text_html([]), plain_text="", summary={},
                 step_slider=StepControl(), tree=blank, tree_compare=blank, heads=heads_html(None), mask=blank,
                 phases=blank, accepted=blank, cumulative=blank, verify=verification_html(None, True),
-                tree_rival=empty_figure("", height=60))
+                tree_rival=empty_figure("", height=60), notice="")
 
 
 def build_view(facts: RunFacts | None, index: int | None = None, message: str = "") -> View:
@@ -82,7 +83,7 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
         phases=phase_figure(records, index), accepted=accepted_figure(records, index),
         cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
                                                                                    facts.token_bytes),
-        tree_rival=_rival(facts, record))
+        tree_rival=_rival(facts, record), notice=_notice(facts, index))
 
 
 def _status(facts: RunFacts, message: str, index: int | None = None) -> str:
@@ -93,8 +94,6 @@ def _status(facts: RunFacts, message: str, index: int | None = None) -> str:
     if facts.spec.auto and records:
         shown = len(records) - 1 if index is None else index
         parts.append(f"Auto budget chose **{records[shown].outcome.tree.num_nodes} node(s)** at step {shown + 1}.")
-    if index is not None and facts.step_notes.get(index):
-        parts.append(f"👀 What to notice: {facts.step_notes[index]}")
     if facts.note:
         parts.append(f"Note: {facts.note}.")
     if message:
@@ -163,6 +162,16 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
     return empty_figure(why, height=120)
 
 
+def _notice(facts: RunFacts, index: int | None) -> str:
+    """What to notice beside the tree: this step's note, else the recorded run's (replay only)."""
+    if index is not None and facts.step_notes.get(index):
+        return f"👀 **Step {index + 1}:** {facts.step_notes[index]}"
+    if facts.notice:
+        noted = ", ".join(str(i + 1) for i in sorted(facts.step_notes)[:12])
+        return f"👀 {facts.notice}" + (f" Steps with a note: {noted}." if noted else "")
+    return ""
+
+
 def _stats(facts: RunFacts) -> str:
     """The cards, with who produced the tokens so far (and a word when the text loops)."""
     return stats_html(facts.stats, sources_note(token_sources(facts.records), loops(facts.output_ids)))
@@ -199,4 +208,5 @@ def _prefill_view(facts: RunFacts, message: str) -> View:
     return View(status=status, stats=_stats(facts), text=_text(facts, None), plain_text=facts.text,
                 summary=summary(facts, None), step_slider=StepControl(), tree=blank, tree_compare=blank,
                 heads=base.heads, mask=base.mask, phases=base.phases, accepted=base.accepted,
-                cumulative=base.cumulative, verify=base.verify, tree_rival=base.tree_rival)
+                cumulative=base.cumulative, verify=base.verify, tree_rival=base.tree_rival,
+                notice=_notice(facts, None))
