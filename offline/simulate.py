@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from core.drafters.interface import heads_for_drafting
 from core.drafters.medusa import DraftProjection, MedusaHeads, default_heads
 from core.model import BaseModel, ModelConfig, load_base_model
 from core.strategy import DEFAULT_FIXED_TREE, DYNAMIC, FIXED, StrategyError, parse_strategy
@@ -54,9 +55,9 @@ def head_proposals(base: BaseModel, heads: MedusaHeads, prompt_ids: list[int], a
     seq = torch.tensor([prompt_ids + answer_ids], device=base.device)  # [1, P+L]
     hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
     starts = hidden[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(answer_ids)]  # [L, H]: predicts a_i
+    if draft is None:  # draft exactly as the decoder does (bf16 under an fp32 base where bf16 is fast)
+        heads, draft, _ = heads_for_drafting(heads, base)
     starts = starts.to(next(heads.parameters()).dtype)
-    if draft is None and not heads.config.own_lm_head:
-        draft = heads.draft_projection(base.lm_head)
     probs, ids = heads.propose(starts, width, draft)  # [K, L, width] each
     return probs.transpose(0, 1).cpu(), ids.transpose(0, 1).cpu()  # [L, K, width]
 

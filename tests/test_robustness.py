@@ -39,7 +39,8 @@ pytestmark = [pytest.mark.timeout(300),
 REPO = Path(__file__).resolve().parent.parent
 OUT = {name: i for i, name in enumerate(app.VIEW_OUTPUT_NAMES)}
 SETTINGS = dict(strategy="dynamic", budget=15, top_m=8, depth=4, fixed_preset="mc_sim_7b_63", rule="greedy",
-                temperature=0.0, precision="fp32", max_new_tokens=12, compare_fixed=False, custom_tree="")
+                temperature=0.0, precision="fp32", max_new_tokens=12, compare_fixed=False, custom_tree="",
+                compare_heads=False)
 PROMPT_A = "Write a haiku about cats."
 PROMPT_B = "Name three rivers in Europe."
 LONG_A = "Count from 1 to 200, one number per line."  # no EOS for hundreds of tokens: room for many steps
