@@ -125,6 +125,11 @@ def _settings(values: dict[str, Any]) -> tuple[str, labstate.Settings, str]:
     return prompt, labstate.parse_settings(values), note
 
 
+def _parameters(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A settings handler's own parameters (the prompt and every setting, by name), without the request."""
+    return {name: arguments[name] for name in ("prompt", *labstate.SETTING_NAMES)}
+
+
 def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable) -> tuple:
     """One settings event: parse, then `act(lab, prompt, settings)` -> message, then draw the run."""
     def action() -> tuple:
@@ -144,10 +149,7 @@ def on_start(prompt: str, strategy: str = D["strategy"], budget: int = D["budget
              custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
              request: gr.Request = None) -> tuple:
     """Start (or restart) decoding `prompt`: prefill only."""
-    values = dict(prompt=prompt, strategy=strategy, budget=budget, top_m=top_m, depth=depth, fixed_preset=fixed_preset,
-                  rule=rule, temperature=temperature, precision=precision, max_new_tokens=max_new_tokens,
-                  compare_fixed=compare_fixed, custom_tree=custom_tree,
-                  compare_heads=compare_heads)
+    values = _parameters(locals())
     return _decoding(request, values, labstate.start_fresh)
 
 
@@ -158,10 +160,7 @@ def on_step(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"
             custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
             request: gr.Request = None) -> tuple:
     """One decoding step (starting a run first when there is none). A step queued before Stop is dropped."""
-    values = dict(prompt=prompt, strategy=strategy, budget=budget, top_m=top_m, depth=depth, fixed_preset=fixed_preset,
-                  rule=rule, temperature=temperature, precision=precision, max_new_tokens=max_new_tokens,
-                  compare_fixed=compare_fixed, custom_tree=custom_tree,
-                  compare_heads=compare_heads)
+    values = _parameters(locals())
     return _decoding(request, values, labstate.step_once)
 
 
@@ -172,10 +171,7 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
            custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
            request: gr.Request = None) -> Iterator[tuple]:
     """Step to the end, streaming every step; stops between steps on Stop, Start, Reset or eviction."""
-    values = dict(prompt=prompt, strategy=strategy, budget=budget, top_m=top_m, depth=depth, fixed_preset=fixed_preset,
-                  rule=rule, temperature=temperature, precision=precision, max_new_tokens=max_new_tokens,
-                  compare_fixed=compare_fixed, custom_tree=custom_tree,
-                  compare_heads=compare_heads)
+    values = _parameters(locals())
     key = _session_key(request)
     try:
         prompt, settings, note = _settings(values)

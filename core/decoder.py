@@ -373,34 +373,33 @@ class DecodeSession:
                               base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.config.record_texts else [])
         return outcome, out, t1 - t0, t2 - t1
 
-    def _compare_fixed(self, heads: HeadProposal, max_depth: int) -> tuple[TreeOutcome, float]:
-        """The fixed tree on the same heads and context, verified but never committed (UI only)."""
-        device = self.base.device
+    def _verify_aside(self, draft: DraftTree) -> TreeOutcome:
+        """A tree verified and judged on the current context, then dropped from the cache (UI only).
+
+        It sees a copy of the session's random state: the draws the real tree will see, never
+        advanced (ticking a comparison must not change the sampled text)."""
         context = cache_length(self.cache)
-        c0 = _clock(device)
-        draft = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
-        draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
-        # a copy of the session's random state: the comparison sees the draws the real tree will
-        # see, and never advances them (ticking the comparison must not change the sampled text)
         twin = torch.Generator()
         twin.set_state(self.generator.get_state())
-        comparison, _, _, _ = self._verify_and_accept(draft.keep(max_depth=max_depth), twin)
+        outcome, _, _, _ = self._verify_and_accept(draft, twin)
         truncate(self.cache, context)
-        return comparison, _clock(device) - c0
+        return outcome
+
+    def _compare_fixed(self, heads: HeadProposal, max_depth: int) -> tuple[TreeOutcome, float]:
+        """The fixed tree on the same heads and context, verified but never committed (UI only)."""
+        c0 = _clock(self.base.device)
+        draft = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
+        draft = draft.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)
+        return self._verify_aside(draft), _clock(self.base.device) - c0
 
     def _compare_rival(self, nodes: int, max_depth: int) -> tuple[TreeOutcome, float]:
         """The other heads family's tree from the same context and size, verified but never committed."""
-        device = self.base.device
-        context, c0 = cache_length(self.cache), _clock(device)
+        c0 = _clock(self.base.device)
         proposal = self.rival_drafter.propose(DraftContext(tokens=self.prompt_ids + self.output_ids,
                                                            hidden=self.last_hidden))
         draft = build_draft_tree(proposal, [], max(nodes, 1), self.config.top_m, self.config.depth)
         draft = draft.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth, size=max(nodes, 1))
-        twin = torch.Generator()  # the draws the real tree will see, never advanced (as the fixed comparison)
-        twin.set_state(self.generator.get_state())
-        rival, _, _, _ = self._verify_and_accept(draft, twin)
-        truncate(self.cache, context)
-        return rival, _clock(device) - c0
+        return self._verify_aside(draft), _clock(self.base.device) - c0
 
     def _step_tree(self, heads: HeadProposal | GrownTree | None, drafted: list[tuple[Drafter, list[Chain]]],
                    max_depth: int) -> StepRecord:

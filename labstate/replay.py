@@ -152,10 +152,10 @@ def to_end(replay: Replay) -> Replay:
     return moved(replay, total_steps(replay))
 
 
-def _prefix_stats(full: RunFacts, shown: int) -> RunStats:
-    """The speed card after `shown` recorded steps: recorded timings against the recorded plain baseline."""
+def _prefix_stats(full: RunFacts, shown: int, tokens: int) -> RunStats:
+    """The speed card after `shown` recorded steps (`tokens` emitted): recorded timings against the
+    recorded plain baseline."""
     records = full.records[:shown]
-    tokens = min(1 + sum(len(r.new_tokens) for r in records), len(full.output_ids))
     seconds = sum(r.times.total for r in records)
     rate = (tokens - 1) / seconds if seconds > 0 else 0.0
     plain = None
@@ -181,5 +181,5 @@ def replay_facts(replay: Replay) -> RunFacts:
     output_ids = full.output_ids[:tokens]
     text = b"".join(full.token_bytes.get(t, b"") for t in output_ids).decode("utf-8", errors="replace")
     return dataclasses.replace(full, records=records, output_ids=output_ids, text=text,
-                               stats=_prefix_stats(full, replay.shown), finished=False, stop_reason="",
+                               stats=_prefix_stats(full, replay.shown, tokens), finished=False, stop_reason="",
                                state=f"replay: step {replay.shown} of {len(full.records)}, press Step")
