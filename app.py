@@ -158,10 +158,10 @@ def on_step(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"
             temperature: float = D["temperature"], precision: str = D["precision"],
             max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
             custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
-            request: gr.Request = None) -> tuple:
-    """One decoding step (starting a run first when there is none). A step queued before Stop is dropped."""
+            clicked_at: float | None = None, request: gr.Request = None) -> tuple:
+    """One decoding step (starting a run first when there is none). A step clicked before Stop is dropped."""
     values = _parameters(locals())
-    return _decoding(request, values, labstate.step_once)
+    return _decoding(request, values, functools.partial(labstate.step_once, clicked_at=clicked_at))
 
 
 def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"], top_m: int = D["top_m"],
@@ -169,7 +169,7 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
            temperature: float = D["temperature"], precision: str = D["precision"],
            max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
            custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
-           request: gr.Request = None) -> Iterator[tuple]:
+           clicked_at: float | None = None, request: gr.Request = None) -> Iterator[tuple]:
     """Step to the end, streaming every step; stops between steps on Stop, Start, Reset or eviction."""
     values = _parameters(locals())
     key = _session_key(request)
@@ -178,7 +178,8 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
         labstate.warm_up(settings.precision, settings.spec.family != "autoregressive", gr.Info)
         lab = labstate.decoding_state(SESSIONS, key)
         with lab.working():
-            for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab)):
+            for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab),
+                                               clicked_at=clicked_at):
                 SESSIONS.touch(key, lab)
                 yield render(lab, message=" ".join(m for m in (note, message) if m))
     except Exception as error:  # noqa: BLE001
@@ -209,11 +210,12 @@ def on_reset(request: gr.Request = None) -> tuple:
     return _guarded(request, reset)
 
 
-def on_stop(request: gr.Request = None) -> tuple:
-    """Stop a running Run (and any Step waiting for its turn), then draw the run as it really stands."""
+def on_stop(clicked_at: float | None = None, request: gr.Request = None) -> tuple:
+    """Stop a running Run (and any Step waiting for its turn or clicked before `clicked_at`, the page's clock
+    at the Stop click), then draw the run as it really stands."""
     def stop() -> tuple:
         lab = SESSIONS.get(_session_key(request))
-        return render(lab, message=labstate.stop(lab))
+        return render(lab, message=labstate.stop(lab, clicked_at))
     return _guarded(request, stop)
 
 
@@ -358,13 +360,16 @@ def _view_panel() -> dict[str, gr.components.Component]:
 
 def _wire_live(controls: dict, view: list) -> None:
     """The live decoding events (API names start, step, run, stop, reset, check, view, trace)."""
-    inputs = [controls["prompt"], *controls["settings"]]
+    inputs, clicked_at = [controls["prompt"], *controls["settings"]], controls["clicked_at"]
     decode = {"show_progress": "minimal", "concurrency_id": "decode", "preprocess": False}  # labstate checks values
-    run_event = controls["run"].click(on_run, inputs, view, api_name="run", **decode)
+    stamp = {"js": f"(...v) => [...v.slice(0, {len(inputs)}), Date.now()]", **decode}  # the click's time, page clock
+    run_event = controls["run"].click(on_run, [*inputs, clicked_at], view, api_name="run", **stamp)
     start_event = controls["start"].click(on_start, inputs, view, api_name="start", cancels=[run_event], **decode)
-    step_event = controls["step"].click(on_step, inputs, view, api_name="step", trigger_mode="multiple", **decode)
+    step_event = controls["step"].click(on_step, [*inputs, clicked_at], view, api_name="step", trigger_mode="multiple",
+                                        **stamp)
     controls["stop"].click(None, None, None, cancels=[run_event, step_event], api_visibility="private")
-    controls["stop"].click(on_stop, None, view, api_name="stop", queue=False)  # waits for the step in flight
+    controls["stop"].click(on_stop, [clicked_at], view, api_name="stop", queue=False,  # waits for the step in flight
+                           js="() => [Date.now()]")
     reset_event = controls["reset"].click(on_reset, None, view, api_name="reset", cancels=[run_event, step_event])
     for event in (start_event, reset_event):
         event.then(_clear_trace, None, [controls["trace_file"]], api_visibility="private", queue=False)

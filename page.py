@@ -80,6 +80,8 @@ def live_controls(default_prompt: str, settings_panel: Callable[[], list]) -> di
         controls["reset"] = gr.Button("Reset", size="sm", elem_id="reset-btn")
         controls["check"] = gr.Button("Check vs plain greedy", size="sm", elem_id="check-btn")
     controls["settings"] = settings_panel()
+    # the page's clock at a Step, Run or Stop click (set by the click's js): a click made before Stop is dropped
+    controls["clicked_at"] = gr.Number(None, visible=False, label="clicked at (ms, page clock)")
     with gr.Accordion("Export", open=False):
         controls["trace"] = gr.Button("Build JSON trace of this run", size="sm", elem_id="trace-btn")
         controls["trace_file"] = gr.File(label="JSON trace", interactive=False, elem_id="trace-file")

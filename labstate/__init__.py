@@ -33,8 +33,9 @@ _HOMES = {
     "sessions": ("LabState", "SessionRegistry"),
     "plain": ("GreedyCheck", "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check",
               "reference", "speed_vs_plain"),
-    "lifecycle": ("check_now", "decoding_state", "ensure_run", "export_trace", "facts_of", "require_run", "reset",
-                  "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run", "step_once", "step_run", "stop", "wait_idle"),
+    "lifecycle": ("DROPPED_STEP", "check_now", "decoding_state", "ensure_run", "export_trace", "facts_of",
+                  "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
+                  "step_once", "step_run", "stop", "wait_idle"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)

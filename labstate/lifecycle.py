@@ -17,7 +17,7 @@ from core.strategy import AUTOREGRESSIVE
 from labstate.errors import LabInputError, LabNotice, SessionExpired
 from labstate.limits import STEP_LOCK_TIMEOUT_S
 from labstate.plain import ar_baseline, compute_check, greedy_check, speed_vs_plain
-from labstate.modes import PAUSED, RUNNING
+from labstate.modes import RUNNING
 from labstate.runs import Prepared, Run, prepare
 from labstate.shared import cost_profile, measure_forward_seconds
 from labstate.sessions import LabState, SessionRegistry
@@ -67,6 +67,9 @@ def _finished_notice(run: Run) -> LabNotice:
     return LabNotice(f"Decoding has finished ({run.session.stop_reason}). Press Start for a new run.")
 
 
+DROPPED_STEP = "Stopped: a Step clicked before Stop was dropped."
+
+
 def step_run(lab: LabState, run: Run, epoch: int | None = None) -> StepRecord | None:
     """One decoding step of `run` (serialised per user).
 
@@ -112,23 +115,34 @@ def ensure_run(lab: LabState, prompt: str, settings: Settings) -> tuple[Run, str
     return start_run(lab, prompt, settings), ""
 
 
-def step_once(lab: LabState, prompt: str, settings: Settings) -> str:
-    """One decoding step (starting a run first when there is none); the message for the status line."""
+def step_once(lab: LabState, prompt: str, settings: Settings, clicked_at: float | None = None) -> str:
+    """One decoding step (starting a run first when there is none); the message for the status line.
+
+    `clicked_at` is the page's clock at the click: a Step clicked before the last Stop is dropped.
+    """
+    if lab.clicked_before_stop(clicked_at):
+        return DROPPED_STEP
     run, changed = ensure_run(lab, prompt, settings)
-    if step_run(lab, run, lab.epoch) is None:
-        return "Stopped: a Step queued before Stop was dropped."
-    run.mode = PAUSED
+    epoch = lab.epoch
+    if step_run(lab, run, epoch) is None:
+        return DROPPED_STEP
+    lab.pause_after_step(run, epoch)
     if run.session.finished:
         compute_check(lab, run)
     return changed
 
 
-def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[], bool]) -> Iterator[str]:
+def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[], bool],
+               clicked_at: float | None = None) -> Iterator[str]:
     """Step to the end, yielding the status message after every step (the caller redraws).
 
     Stops between steps when `alive()` turns false (the session was evicted: SessionExpired) or when
     Stop, Start or Reset bumped the state's epoch (quietly). The caller may also close the generator.
+    A Run clicked (page clock `clicked_at`) before the last Stop does nothing.
     """
+    if lab.clicked_before_stop(clicked_at):
+        yield "Stopped: a Run clicked before Stop was dropped."
+        return
     run, note = ensure_run(lab, prompt, settings)
     epoch = lab.epoch
     run.mode = RUNNING
@@ -141,8 +155,7 @@ def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[
                 return
             yield note if not run.session.finished else "Comparing with plain greedy decoding…"
     finally:
-        if run.mode == RUNNING:
-            run.mode = PAUSED
+        lab.pause_after_loop(run)
     compute_check(lab, run)
     if lab.run is run:
         yield note
@@ -161,11 +174,12 @@ def reset(lab: LabState | None) -> None:
         lab.run = None
 
 
-def stop(lab: LabState | None) -> str:
-    """Stop a running Run (and any Step waiting for its turn); returns once the step in flight ended."""
+def stop(lab: LabState | None, clicked_at: float | None = None) -> str:
+    """Stop a running Run (and any Step waiting for its turn, or clicked before `clicked_at`, the page's
+    clock at the Stop click); returns once the step in flight ended."""
     if lab is None or lab.run is None:
         return "Nothing to stop."
-    lab.stop()
+    lab.stop(clicked_at)
     wait_idle(lab)
     return "Stopped. **Step** or **Run to end** go on from here."
 

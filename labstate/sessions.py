@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from labstate.errors import LabInputError, SessionExpired
-from labstate.modes import STOPPED
+from labstate.modes import PAUSED, RUNNING, STOPPED
 
 if TYPE_CHECKING:
     from labstate.runs import Run
@@ -27,6 +27,7 @@ class LabState:
     epoch: int = 0  # bumped by Start, Stop, Reset and eviction: a running loop stops when it changes
     last_used: float = 0.0  # SessionRegistry clock
     active: int = 0  # handlers working on this state now (never evicted while > 0 unless idle-expired)
+    stop_clicked_at: float | None = None  # the page's clock (ms) at the last Stop click: older clicks are dropped
     _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def interrupt(self) -> None:
@@ -34,11 +35,35 @@ class LabState:
         with self._count_lock:
             self.epoch += 1
 
-    def stop(self) -> None:
-        """Stop: a running loop and any step that is waiting end without stepping; the run says it stopped."""
-        self.interrupt()
-        if self.run is not None:
-            self.run.mode = STOPPED
+    def stop(self, clicked_at: float | None = None) -> None:
+        """Stop: a running loop and any step that is waiting end without stepping; the run says it stopped.
+
+        `clicked_at` (the page's clock) also drops a Step or Run clicked before Stop that only gets its
+        turn after it: the epoch alone cannot tell that one from a Step clicked after Stop.
+        """
+        with self._count_lock:  # with the epoch, so a step ending now cannot turn the run back to paused
+            self.epoch += 1
+            if clicked_at is not None:
+                self.stop_clicked_at = max(clicked_at, self.stop_clicked_at or clicked_at)
+            if self.run is not None:
+                self.run.mode = STOPPED
+
+    def pause_after_step(self, run: Run, epoch: int) -> None:
+        """A Step ended: the run is paused, unless Stop, Start or Reset came while it stepped (it stays
+        stopped) or a Run loop is driving it (it stays running)."""
+        with self._count_lock:
+            if self.epoch == epoch and run.mode != RUNNING:
+                run.mode = PAUSED
+
+    def pause_after_loop(self, run: Run) -> None:
+        """A Run loop ended without finishing: running becomes paused (a stopped run stays stopped)."""
+        with self._count_lock:
+            if run.mode == RUNNING:
+                run.mode = PAUSED
+
+    def clicked_before_stop(self, clicked_at: float | None) -> bool:
+        """A Step or Run clicked (page clock) before the last Stop: it must not step."""
+        return clicked_at is not None and self.stop_clicked_at is not None and clicked_at <= self.stop_clicked_at
 
     def enter(self) -> None:
         """A handler starts working on this state (see `active`)."""

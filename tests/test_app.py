@@ -253,14 +253,15 @@ def test_greedy_check_reports_a_divergence_with_its_logit_gap():
 
 # -- issue 13.8: the wiring says each setting once; drawing never decodes ---------------------------------
 def test_every_settings_event_takes_the_same_named_parameters():
-    expected = ["prompt", *labstate.SETTING_NAMES, "request"]
-    for handler in (app.on_start, app.on_step, app.on_run):
-        assert list(inspect.signature(handler).parameters) == expected
+    expected = ["prompt", *labstate.SETTING_NAMES]
+    clicked = [*expected, "clicked_at"]  # Step and Run also take the click's time (Stop drops older clicks)
+    for handler, names in ((app.on_start, expected), (app.on_step, clicked), (app.on_run, clicked)):
+        assert list(inspect.signature(handler).parameters) == [*names, "request"]
     defaults = labstate.Settings().raw()
     assert labstate.parse_settings(defaults) == labstate.Settings()  # the page's defaults round-trip
     api = app.demo.get_api_info()["named_endpoints"]
-    for name in ("/start", "/step", "/run"):
-        assert [p["parameter_name"] for p in api[name]["parameters"]] == expected[:-1]
+    for name, names in (("/start", expected), ("/step", clicked), ("/run", clicked), ("/stop", ["clicked_at"])):
+        assert [p["parameter_name"] for p in api[name]["parameters"]] == names
     with pytest.raises(labstate.LabInputError, match="unknown setting: colour"):
         labstate.parse_settings({"colour": "red"})
     assert not hasattr(labstate.SessionRegistry, "sweep")  # nothing called it

@@ -87,7 +87,7 @@ def server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}/"
     try:
         _wait_http(url, process, SERVER_START_TIMEOUT_S)
-        yield url, launched
+        yield url, launched, log
     finally:
         process.terminate()
         try:
@@ -114,6 +114,10 @@ def page(browser, server):
     tab.goto(server[0])
     tab.locator("#step-btn").wait_for()
     yield tab
+    # what the page said last (pytest shows it when the test failed): the status line and the server's log
+    print("status at the end:", tab.evaluate("() => document.querySelector('#stats')?.innerHTML"))
+    tab.screenshot(path=str(server[2].parent / 'last_page.png'), full_page=True)
+    print("server log tail:", server[2].read_text()[-3000:] if server[2].exists() else "(none)")
     context.close()
 
 
@@ -162,7 +166,7 @@ def _check_tree_readable(page, selector: str = "#tree-plot") -> int:
 
 
 def test_step_renders_tree_text_and_timing(server, page, shots, tmp_path):
-    url, launched = server
+    url, launched, _ = server
     prompt = page.get_by_label("Prompt", exact=True)
     prompt.fill("Say hello to <b>bold</b> people <script>window.__pwned = 1</script> 🙂")
     page.locator("#step-btn").click()
@@ -241,7 +245,24 @@ def test_arabic_and_emoji_show_whole_characters_and_no_entities(page, shots):
     page.locator("#gen-text").screenshot(path=str(shots / "text_arabic_emoji.png"))
 
 
+def _click_times(page) -> list[float]:
+    """Collects the last value of every event payload the page posts that is a click time (ms, page clock)."""
+    stamps: list[float] = []
+
+    def collect(request) -> None:
+        try:
+            data = json.loads(request.post_data or "null")
+        except ValueError:
+            return
+        values = data.get("data") if isinstance(data, dict) else None
+        if values and isinstance(values[-1], (int, float)) and abs(values[-1] - time.time() * 1000) < 600_000:
+            stamps.append(values[-1])
+    page.on("request", lambda request: collect(request) if request.method == "POST" else None)
+    return stamps
+
+
 def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
+    stamps = _click_times(page)  # Step, Run and Stop send their click time: Stop drops older clicks
     page.get_by_label("Prompt", exact=True).fill("Count from 1 to 200, one number per line.")
     _set_number(page, "max-new", 300)
     page.locator("#start-btn").click()
@@ -261,6 +282,7 @@ def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
     stopped = _steps(page)
     page.wait_for_timeout(4000)
     assert _steps(page) == stopped
+    assert len(stamps) >= 7 and stamps == sorted(stamps)  # 3 + 2 Steps, Run, Stop, in click order
     box = page.locator("#step-slider input[type=number]")
     box.fill("2")
     box.press("Enter")

@@ -106,3 +106,39 @@ def test_a_run_that_loses_its_session_says_so(tiny_runtime):
     with pytest.raises(labstate.SessionExpired, match="expired while running"):
         next(loop)
     assert lab.run.mode == labstate.PAUSED and not lab.run.session.finished
+
+
+def test_a_step_or_run_clicked_before_stop_never_steps_even_when_its_turn_comes_after(tiny_runtime):
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    labstate.step_once(lab, PROMPT, settings, clicked_at=1000.0)
+    assert labstate.stop(lab, clicked_at=2000.0).startswith("Stopped")
+    # the race the epoch cannot see: clicked at 1999 ms, started only after Stop bumped the epoch
+    assert labstate.step_once(lab, PROMPT, settings, clicked_at=1999.0) == labstate.DROPPED_STEP
+    assert list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True, clicked_at=1500.0)) == [
+        "Stopped: a Run clicked before Stop was dropped."]
+    assert len(lab.run.session.records) == 1 and lab.run.state == "stopped after step 1"
+    assert labstate.step_once(lab, PROMPT, settings, clicked_at=2001.0) == ""  # clicked after Stop: it steps
+    assert len(lab.run.session.records) == 2 and lab.run.state == "paused after step 2: press Step"
+    assert labstate.step_once(lab, PROMPT, settings) == ""  # the API sends no click time: the epoch rule alone
+    labstate.stop(lab)  # a Stop without a click time keeps the last one
+    assert lab.stop_clicked_at == 2000.0
+
+
+def test_a_stop_during_the_step_in_flight_leaves_the_run_stopped_not_paused(tiny_runtime):
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    labstate.step_once(lab, PROMPT, settings)
+    session, step = lab.run.session, lab.run.session.step
+
+    def step_while_stop_arrives():
+        record = step()
+        lab.stop(clicked_at=5.0)  # Stop lands while this step computes (it holds the lock; Stop does not wait)
+        return record
+    session.step = step_while_stop_arrives
+    assert labstate.step_once(lab, PROMPT, settings) == ""
+    assert len(session.records) == 2 and lab.run.state == "stopped after step 2"  # the step counts; it stays stopped
+    session.step = step
+    lab.run.mode = labstate.RUNNING  # a Run loop drives the run: a Step beside it keeps it running
+    labstate.step_once(lab, PROMPT, settings)
+    assert len(session.records) == 3 and lab.run.state == "running"
