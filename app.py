@@ -60,6 +60,8 @@ def _outputs(view: View) -> tuple:
         minimum=1, maximum=max(control.count, 2), value=control.value, interactive=control.count > 1,
         label=f"Revisit a step (1 … {control.count}): drag, or type a number and press Enter" if control.count
         else "Revisit a step (after the first step)")
+    values["notice"] = gr.Markdown(view.notice, visible=bool(view.notice))  # no empty box beside a live tree
+    values["tree_rival"] = gr.Plot(view.tree_rival, visible=view.tree_rival is not None)
     return tuple(values[name] for name in VIEW_FIELDS)
 
 
@@ -274,7 +276,7 @@ def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> t
 
 def on_pick(name: str, state: replay.Replay | None = None) -> tuple:
     """Open a gallery run at its start (Step draws its first tree)."""
-    return _replay_guard(state, lambda: _replay_view(replay.open_gallery(name), replay.notice(name)))
+    return _replay_guard(state, lambda: _replay_view(replay.open_gallery(name)))
 
 
 def on_upload(data: bytes | None, state: replay.Replay | None = None) -> tuple:
@@ -332,14 +334,17 @@ def _view_panel() -> dict[str, gr.components.Component]:
                                      interactive=False, elem_id="step-slider")}
     with gr.Tabs():
         with gr.Tab("Trees: dynamic vs fixed"):
-            view["notice"] = gr.Markdown(blank.notice, elem_id="notice", elem_classes=["notice"])
-            view["tree"] = gr.Plot(blank.tree, show_label=False, elem_id="tree-plot", label="tree")
+            with gr.Row(equal_height=False):  # what to notice beside the tree (below it when narrow)
+                view["tree"] = gr.Plot(blank.tree, show_label=False, elem_id="tree-plot", label="tree", scale=4,
+                                       min_width=520)
+                view["notice"] = gr.Markdown(blank.notice, elem_id="notice", elem_classes=["notice"], min_width=220,
+                                             visible=False)
             with gr.Accordion("Verification: why the path stopped there", open=True):
                 view["verify"] = gr.HTML(blank.verify, elem_id="verify", label="verify")
             view["tree_compare"] = gr.Plot(blank.tree_compare, show_label=False, elem_id="tree-compare-plot",
                                            label="tree_compare")
             view["tree_rival"] = gr.Plot(blank.tree_rival, show_label=False, elem_id="tree-rival-plot",
-                                         label="tree_rival")
+                                         label="tree_rival", visible=False)
             view["heads"] = gr.HTML(blank.heads, elem_id="heads", label="heads")
         with gr.Tab("Attention mask"):
             view["mask"] = gr.Plot(blank.mask, show_label=False, elem_id="mask-plot", label="mask")

@@ -17,9 +17,9 @@ from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 CUSTOM_TREE_EXAMPLE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
-INTRO = ('<div class="lab-header"><h1>Medusa Tree Lab</h1><p>Speculative decoding with Medusa heads and a '
-         '<b>dynamic candidate tree</b>, one step at a time: heads propose, the tree is verified in one forward '
-         'pass, the base model accepts a path.</p></div>')
+INTRO = ('<div class="lab-header"><h1>Medusa Tree Lab</h1><p>Speculative decoding one step at a time: heads '
+         'propose a <b>dynamic candidate tree</b>, one forward pass verifies it, the base model accepts a path.'
+         '</p></div>')
 
 
 def mt_bench_examples() -> dict[str, str]:

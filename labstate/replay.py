@@ -92,12 +92,6 @@ class _Uploads:
 UPLOADS = _Uploads(MAX_UPLOADS)
 
 
-def notice(name: str) -> str:
-    """A gallery run's title and what to notice in it, for the status line."""
-    entry = next((e for e in gallery() if e.name == name), None)
-    return f"**{entry.title}.** 👀 {entry.notice} Press **Step** (or →)." if entry else ""
-
-
 def open_gallery(name: str) -> Replay:
     """A gallery run, ready at its first step (pressing Step draws step 1)."""
     _gallery_trace(name)

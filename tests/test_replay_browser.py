@@ -63,6 +63,9 @@ def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server,
         page.wait_for_function(STEPS_JS, arg=1, timeout=30_000)
         page.locator("#presenter-toggle input").check()
         page.wait_for_function("() => document.body.classList.contains('presenter')", timeout=10_000)
+        page.evaluate("window.scrollTo(0, 0)")
+        assert page.locator("#tree-plot").bounding_box()["y"] < 720 - 200  # the tree is in view on the projector
+        assert page.locator("#notice").bounding_box()["x"] > page.locator("#tree-plot").bounding_box()["x"]  # beside
         page.screenshot(path=str(folder / "replay_presenter_1280x720.png"))
         page.locator("#replay-end-btn").click()
         page.wait_for_function(STATUS_JS, arg="finished", timeout=30_000)
@@ -78,6 +81,9 @@ def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server,
         page.wait_for_function("() => !!document.querySelector('#tree-rival-plot .js-plotly-plot .scatterlayer .point')",
                                timeout=30_000)
         assert "same context" in rival.inner_text()
+        for table in (".heads-table", ".verify"):  # nothing clipped at 1280 px: the tables fit their box
+            assert page.evaluate(f"() => {{ const e = document.querySelector('{table}'); "
+                                 "return e.scrollWidth <= e.clientWidth + 1; }"), table
         page.locator("#presenter-toggle input").uncheck()
         page.set_viewport_size({"width": 1440, "height": 900})
         page.locator("#tree-plot").screenshot(path=str(folder / "two_drafters_medusa.png"))

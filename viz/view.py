@@ -48,7 +48,7 @@ class View:
     accepted: Any
     cumulative: Any
     verify: str
-    tree_rival: Any  # the other heads family's tree on the same context (Medusa <-> Hydra)
+    tree_rival: Any  # the other heads family's tree on the same context (Medusa <-> Hydra); None when not asked
     notice: str  # replay: what to notice at this step (or in the run), beside the tree
 
 
@@ -61,7 +61,7 @@ def empty_view(message: str = START_HINT, hint: str = "Type a prompt and press S
     return View(status=message, stats=stats_html(RunStats()), text=text_html([]), plain_text="", summary={},
                 step_slider=StepControl(), tree=blank, tree_compare=blank, heads=heads_html(None), mask=blank,
                 phases=blank, accepted=blank, cumulative=blank, verify=verification_html(None, True),
-                tree_rival=empty_figure("", height=60), notice="")
+                tree_rival=None, notice="")
 
 
 def build_view(facts: RunFacts | None, index: int | None = None, message: str = "") -> View:
@@ -165,10 +165,10 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
 def _notice(facts: RunFacts, index: int | None) -> str:
     """What to notice beside the tree: this step's note, else the recorded run's (replay only)."""
     if index is not None and facts.step_notes.get(index):
-        return f"👀 **Step {index + 1}:** {facts.step_notes[index]}"
+        return f"**What to notice at step {index + 1}:** {facts.step_notes[index]}"
     if facts.notice:
         noted = ", ".join(str(i + 1) for i in sorted(facts.step_notes)[:12])
-        return f"👀 {facts.notice}" + (f" Steps with a note: {noted}." if noted else "")
+        return f"**What to notice:** {facts.notice}" + (f" Steps with a note: {noted}." if noted else "")
     return ""
 
 
@@ -178,13 +178,13 @@ def _stats(facts: RunFacts) -> str:
 
 
 def _rival(facts: RunFacts, record: StepRecord) -> Any:
-    """The other heads family's tree on the same context, with what it would have accepted."""
+    """The other heads family's tree on the same context, with what it would have accepted (None: not asked)."""
     rival = record.rival
     if rival is None:
         wanted = facts.settings.get("compare_heads") and facts.spec.grown
         why = (f"No other heads' tree at step {record.index + 1} (no heads step, or the other heads are not "
                f"shipped)." if wanted else "")
-        return empty_figure(why, height=80 if why else 60)
+        return empty_figure(why, height=80) if why else None  # None: the page shows no box
     other = "Hydra heads (each guess reads its path)" if rival.grown else "Medusa heads (one guess per depth)"
     mine, theirs = record.outcome.accepted_length - 1, rival.accepted_length - 1
     title = (f"Step {record.index + 1}, same context: the {other} tree of {rival.tree.num_nodes} nodes would "
