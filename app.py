@@ -6,8 +6,9 @@ draws, `page` builds the components. Importing this module builds the Blocks and
 serves the recorded gallery without torch or transformers; a server whose model cannot load falls back to it.
 
 API (gradio_client): start, step, run (streams) take (prompt, **settings) by `labstate.SETTING_NAMES`
-(defaults: the page's; strategies in core.strategy's grammar); view(step_index), check(),
-reset(), stop() take none; each returns the outputs named in `VIEW_OUTPUT_NAMES`; trace() returns the
+(defaults: the page's; strategies in core.strategy's grammar); step, run and stop also take an optional
+clicked_at (ms; the page sends its clock: a Step or Run clicked before a Stop is dropped); view(step_index),
+check(), reset() take none; each returns the outputs named in `VIEW_OUTPUT_NAMES`; trace() returns the
 JSON trace. Bad input: the API gets gr.Error(message), the page a toast and its view untouched, both
 from `_answer`; never a traceback. Each tab / client owns a LabState in `labstate.SessionRegistry`
 (MEDUSA_LAB_MAX_SESSIONS, MEDUSA_LAB_SESSION_IDLE_S); a replay lives in the page's `gr.State`.
