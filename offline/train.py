@@ -58,12 +58,28 @@ class TrainConfig:
     batch_size: int = 1024
     lr: float = 3e-3
     weight_decay: float = 0.0
+    dropout: float = 0.0  # on the heads' inputs while training (Hydra++ used 0.2)
+    noise: float = 0.0  # Gaussian noise on the heads' inputs while training, times their RMS (0: none)
     decay: float = 0.8
     max_positions: int = 0  # 0: all
     seed: int = 0
     eval_tokens: int = 128
     draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
     extract_missing: bool = False  # rows without captured features: one forward each (slow)
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Training-time corruption of the heads' inputs (hidden states, and Hydra's path embeddings):
+    Gaussian noise at `noise` x the inputs' RMS, then dropout `dropout`. Off at zero; never at decode time."""
+
+    dropout: float = 0.0
+    noise: float = 0.0
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.noise:
+            inputs = inputs + torch.randn_like(inputs) * self.noise * inputs.pow(2).mean().sqrt()
+        return F.dropout(inputs, self.dropout) if self.dropout else inputs
 
 
 @dataclass
@@ -213,11 +229,11 @@ def draft_loss(states: torch.Tensor, vocab: TrainVocab, features: Features, targ
 
 
 def head_loss(heads: MedusaHeads, vocab: TrainVocab, features: Features, index: torch.Tensor,
-              decay: float) -> tuple[torch.Tensor, list[float]]:
+              decay: float, augment: Augment = Augment()) -> tuple[torch.Tensor, list[float]]:
     """Weighted soft cross-entropy over heads for positions `index`, and per-head top-1 accuracy.
 
     Head k (0-based) at position j predicts answer[j+k+1], from the teacher at j+k+1."""
-    hidden = features.hidden[index].float()  # [B, H]
+    hidden = augment(features.hidden[index].float())  # [B, H]
     states = heads.head_states(hidden)  # [K, B, H]
     total = hidden.new_zeros(())
     accuracy = []
@@ -298,7 +314,8 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig,
                                     vocab_size=vocab_size, draft_vocab_size=draft_size))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
-    fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay),
+    augment = Augment(dropout=config.dropout, noise=config.noise)
+    fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay, augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 

@@ -25,9 +25,8 @@ from core.model import BaseModel, fast_bf16
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate
 from core.tree import CandidateTree
-from offline.train import (Features, TrainConfig, draft_coverage, draft_loss, features_fingerprint, fit, frequency_vocab,
-                        parse_config,
-                        run_training, TrainVocab, train_vocab)
+from offline.train import (Augment, Features, TrainConfig, TrainVocab, draft_coverage, draft_loss, features_fingerprint,
+                           fit, frequency_vocab, parse_config, run_training, train_vocab)
 
 BUDGETS = (16, 32, 64)
 BEAM = HYDRA_BEAM  # as the decoder grows its trees by default
@@ -35,9 +34,10 @@ WIDTH = 32  # the decoder's default top_m: children of the root
 
 
 def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor, features: Features, index: torch.Tensor,
-               decay: float) -> tuple[torch.Tensor, list[float]]:
-    """Weighted soft cross-entropy of every head at positions `index`, and per-head top-1."""
-    hidden = features.hidden[index].float()  # [B, H]
+               decay: float, augment: Augment = Augment()) -> tuple[torch.Tensor, list[float]]:
+    """Weighted soft cross-entropy of every head at positions `index`, and per-head top-1; `augment`
+    corrupts the hidden states and the path embeddings (Hydra++'s noise on the path)."""
+    hidden = augment(features.hidden[index].float())  # [B, H]
     total = hidden.new_zeros(())
     accuracy = []
     for k in range(1, heads.config.num_heads + 1):
@@ -46,7 +46,7 @@ def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor,
             continue  # a batch of answer ends: nothing for this head
         rows = index[valid]  # [b]
         path = features.tokens[rows[:, None] + torch.arange(k)]  # [b, k]: answer[j..j+k-1]
-        states = heads.head_state(k, hidden[valid], embed_weight[path])  # [b, H]
+        states = heads.head_state(k, hidden[valid], augment(embed_weight[path]))  # [b, H]
         loss, hits = draft_loss(states, vocab, features, rows + k)
         total = total + decay ** (k - 1) * loss
         accuracy.append(float(hits.float().mean()))
@@ -65,7 +65,8 @@ def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
-    fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay),
+    augment = Augment(dropout=config.dropout, noise=config.noise)
+    fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay, augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 

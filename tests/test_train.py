@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from core.drafters.medusa import load_heads
-from offline.train import (Features, TrainConfig, calibrated_choices, extract_features, frequency_vocab, head_loss,
-                        train_heads, train_vocab)
+from offline.train import (Augment, Features, TrainConfig, calibrated_choices, extract_features, frequency_vocab,
+                           head_loss, train_heads, train_vocab)
 from core.tree import fixed_tree, load_named_trees
 from tests.test_tree import check_invariants
 
@@ -141,3 +141,16 @@ def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts)
     top1 = [a[0] for a in accuracy]
     assert top1[0] > 0.2 and min(top1[1:]) > 0.13, top1
     assert own[0] == top1[0]  # depth 1 reads only the root: the same guess either way
+
+
+def test_augment_is_off_at_zero_and_corrupts_by_the_amounts_asked():
+    torch.manual_seed(0)
+    inputs = torch.randn(4096, 64) * 3.0  # RMS 3
+    assert torch.equal(Augment()(inputs), inputs)  # the default: training inputs untouched
+    noisy = Augment(noise=0.1)(inputs)
+    assert abs(float((noisy - inputs).pow(2).mean().sqrt()) - 0.3) < 0.01  # 0.1 x the inputs' RMS
+    dropped = Augment(dropout=0.25)(inputs)
+    zeroed = float((dropped == 0).float().mean())
+    assert 0.23 < zeroed < 0.27
+    kept = dropped != 0
+    assert torch.allclose(dropped[kept], inputs[kept] / 0.75)  # inverted dropout: same expectation
