@@ -261,6 +261,10 @@ def test_stats_html():
                                check="<identical>", check_state="ok"))
     assert "12" in page and "2.40" in page and "9.5" in page
     assert "&lt;identical&gt;" in page and 'check ok' in page
+    assert "tree nodes / step" not in page  # plain decoding: no tree card
+    trees = stats_html(RunStats(tokens=12, steps=4), tree_sizes=[0, 16, 0, 8])
+    assert 'card trees' in trees and ">6.0<" in trees and "2 plain steps · largest 16" in trees
+    assert "1 plain step ·" in stats_html(RunStats(), tree_sizes=[0, 3])
 
 
 # -- trace ----------------------------------------------------------------------------------------

@@ -205,6 +205,18 @@ def _measured(stats: RunStats) -> bool:
     return stats.vs_plain_basis.startswith("measured")
 
 
+def _tree_size_card(sizes: Sequence[int] | None) -> str:
+    """Nodes verified per step on average, how many steps were plain (the root alone) and the largest tree:
+    what an adaptive budget chose, seen at a glance."""
+    if sizes is None or not sizes:
+        return ""
+    plain = sum(1 for size in sizes if size == 0)
+    mean = sum(sizes) / len(sizes)
+    return (f'<div class="card trees" title="nodes verified per step besides the root; a plain step verifies the '
+            f'root alone"><div class="v">{mean:.1f}</div><div class="k">tree nodes / step</div>'
+            f'<div class="sub">{plain} plain step{"" if plain == 1 else "s"} · largest {max(sizes)}</div></div>')
+
+
 def _speed_card(stats: RunStats) -> str:
     """Tokens/s, and the ratio to plain decoding: a verdict (wins / loses) only when measured;
     an estimate is marked as one and coloured neutrally; plain decoding is never compared with itself."""
@@ -250,12 +262,13 @@ def sources_note(sources: dict[str, int], looping: bool) -> str:
             f'{sources.get("base model", 0)} token(s) from the base model itself.{escape(loop)}</div>')
 
 
-def stats_html(stats: RunStats, sources: str = "") -> str:
-    """Cards with the running totals, the speed against plain decoding and the greedy-exactness check;
+def stats_html(stats: RunStats, sources: str = "", tree_sizes: Sequence[int] | None = None) -> str:
+    """Cards with the running totals, the tree sizes verified (`tree_sizes`: nodes besides the root per
+    step; None for plain decoding), the speed against plain decoding and the greedy-exactness check;
     `sources`: the `sources_note` under them."""
     cards = [("tokens", f"{stats.tokens}"), ("steps", f"{stats.steps}"), ("tokens / step", f"{stats.mean_accepted:.2f}")]
     items = "".join(f'<div class="card"><div class="v">{escape(v)}</div><div class="k">{escape(k)}</div></div>'
-                    for k, v in cards)
+                    for k, v in cards) + _tree_size_card(tree_sizes)
     check = (f'<div class="card check {escape(stats.check_state)}"><div class="v">{escape(stats.check)}</div>'
              f'<div class="k">vs plain greedy decoding</div></div>') if stats.check else ""
     return (f'<div class="stats">{items}{_speed_card(stats)}{check}<div class="card status"><div class="v">'
