@@ -460,7 +460,7 @@ def test_session_cap_evicts_idle_sessions_and_memory_stays_bounded(tmp_path):
 def test_the_page_lets_in_no_files_models_or_code():
     import gradio as gr
 
-    allowed_inputs = (gr.Textbox, gr.Slider, gr.Radio, gr.Dropdown, gr.Checkbox, gr.State)
+    allowed_inputs = (gr.Textbox, gr.Slider, gr.Radio, gr.Dropdown, gr.Checkbox, gr.State, gr.Number)  # Number: clicked_at
     trace_upload = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "trace-upload")
     for fn in app.demo.fns.values():
         for block in fn.inputs:
