@@ -388,7 +388,7 @@ def _wire_live(controls: dict, view: list) -> None:
 def _wire_replay(replay_box: dict, view: list) -> None:
     """The replay events (private: recorded runs are the page's, not the API's)."""
     state, outputs = replay_box["state"], [replay_box["state"], *view]
-    private = {"api_visibility": "private", "show_progress": "hidden"}
+    private = {"api_visibility": "private", "show_progress": "hidden", "queue": False}  # quick: no queue round trip
     replay_box["pick"].input(on_pick, [replay_box["pick"], state], outputs, **private)
     replay_box["upload"].upload(on_upload, [replay_box["upload"], state], outputs, **private)
     for name, handler in (("step", on_replay_step), ("back", on_replay_back), ("end", on_replay_end)):

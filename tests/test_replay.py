@@ -92,6 +92,16 @@ def test_two_drafters_grow_their_trees_from_the_same_context_and_change_nothing(
     assert "same context" in view.tree_rival.layout.title.text and view.tree_rival.data
 
 
+def _assert_valid_plotly(view) -> None:
+    """The views build figures without plotly's validation (speed): passed back through a validating
+    constructor, every one must hold only real plotly properties."""
+    import plotly.graph_objects as go
+    for name in VIEW_FIELDS:
+        value = getattr(view, name)
+        if hasattr(value, "to_json"):
+            go.Figure(json.loads(value.to_json()))  # ValueError on any invalid property
+
+
 def test_the_shipped_gallery_replays_every_step_without_a_model():
     entries = {entry.name: entry for entry in replay.gallery()}
     assert REQUIRED_GALLERY <= set(entries) and len(entries) >= 8
@@ -107,6 +117,7 @@ def test_the_shipped_gallery_replays_every_step_without_a_model():
         for step in drawn:
             view = build_view(replay.replay_facts(replay.moved(state, step + 1)), step)
             assert f"Step {step + 1}:" in view.tree.layout.title.text
+            _assert_valid_plotly(view)
         for _ in range(total):
             state = replay.step(state)
         assert replay.replay_facts(state) == replay.trace_of(state).facts  # the end is the recorded run

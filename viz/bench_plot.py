@@ -12,6 +12,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from viz.style import new_figure
+
 PHASES = ("heads", "tree", "verify", "accept", "commit")
 
 
@@ -57,7 +59,7 @@ def step_trace_figure(result: dict, strategy: str) -> go.Figure:
     """Per prompt (one row each), per step: a marker sized by the nodes verified and coloured by
     the controller's state (normal, probing, backing off, exploring); hover: tokens and verify ms."""
     rows = [row for row in result.get("rows", []) if row["strategy"] == strategy and row.get("step_state")]
-    figure = go.Figure()
+    figure = new_figure()
     for state, colour in STATE_COLOURS.items():
         if not state:
             continue
@@ -122,7 +124,7 @@ def bench_heading(result: dict) -> str:
 def phase_figure(result: dict) -> go.Figure:
     """Milliseconds per step by phase, stacked, for the strategies that record phases."""
     summary = {n: s for n, s in result["summary"].items() if s.get("phase_ms_per_step")}
-    figure = go.Figure()
+    figure = new_figure()
     for phase in PHASES:
         figure.add_bar(x=list(summary), y=[s["phase_ms_per_step"][phase] for s in summary.values()], name=phase)
     figure.update_layout(barmode="stack", title="ms per step by phase", yaxis_title="ms", height=380)

@@ -52,7 +52,7 @@ def mask_figure(outcome: TreeOutcome, context_length: int | None = None,
     z = mask_values(mask, list(outcome.accepted_nodes))
     size = len(mask)
     gap = 1 if size <= 80 else 0
-    fig = go.Figure(go.Heatmap(
+    fig = style.new_figure(go.Heatmap(
         z=z, x=labels, y=labels, zmin=0, zmax=2, colorscale=MASK_COLORSCALE, showscale=False, xgap=gap, ygap=gap,
         hovertemplate="query %{y}<br>key %{x}<br>%{z} (0 masked · 1 visible · 2 accepted path)<extra></extra>",
     ))

@@ -1,7 +1,12 @@
 """Colours and sizes shared by every view (chosen to read well on a projector)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 ACCEPTED = "#15803d"  # green: head guesses the base model confirmed
 BONUS = "#ea580c"  # orange: the base model's own token after the accepted path
@@ -44,3 +49,12 @@ def base_layout(title: str, height: int) -> dict:
         "font": {"family": FONT, "size": 13, "color": TEXT},
         "hoverlabel": {"font": {"family": FONT, "size": 13}},
     }
+
+
+def new_figure(*traces: object) -> "go.Figure":
+    """A figure that skips plotly's per-property validation while it is built (about 40 % of drawing a
+    step: 0.27 -> 0.17 s for a replayed step); the output is the same JSON, and the tests pass every
+    kind of figure the views draw back through a validating constructor."""
+    import plotly.graph_objects as go  # here: the strategy constants above must not need plotly
+
+    return go.Figure(data=list(traces), _validate=False)

@@ -75,7 +75,7 @@ def accepted_figure(records: Sequence[StepRecord], index: int) -> go.Figure:
     counts = [len(r.new_tokens) for r in records]
     strategy = records[0].strategy if records else DYNAMIC
     colour = style.STRATEGY_COLOURS.get(strategy, style.STRATEGY_COLOURS[DYNAMIC])
-    fig = go.Figure(go.Bar(
+    fig = style.new_figure(go.Bar(
         x=steps, y=counts, name=f"{strategy} (this run)",
         marker={"color": colour, "line": {"color": [style.BONUS if s == shown else colour for s in steps],
                                           "width": [3 if s == shown else 0 for s in steps]}},
@@ -110,7 +110,7 @@ def cumulative_figure(records: Sequence[StepRecord], ar: ArBaseline | None) -> g
     measured when a plain run exists, otherwise estimated from one measured single-token forward.
     """
     strategy = records[0].strategy if records else DYNAMIC
-    fig = go.Figure()
+    fig = style.new_figure()
     x, y = _cumulative([r.times.total for r in records], [len(r.new_tokens) for r in records])
     fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"{strategy} (measured)",
                              line={"color": style.STRATEGY_COLOURS.get(strategy, style.TEXT), "width": 3},

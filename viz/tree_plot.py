@@ -260,7 +260,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     order = accepted + sorted((i for i in range(len(scores)) if i not in accepted_set), key=lambda i: -scores[i])
     labels = _labels(frame, layout, texts, sizes, order, reserved)
 
-    fig = go.Figure()
+    fig = style.new_figure()
     plain_edges = [(parents[i], i) for i in range(1, len(parents)) if i not in accepted_set]
     path_edges = list(zip(accepted[:-1], accepted[1:]))
     xs, ys = _edge_xy(layout, plain_edges)
@@ -343,7 +343,7 @@ def label_boxes(fig: go.Figure) -> list[Box]:
 def empty_figure(message: str, height: int = 300) -> go.Figure:
     """A blank figure with a centred message (before the first step, or when not applicable)."""
     message = "<br>".join(textwrap.wrap(message, width=60))
-    fig = go.Figure()
+    fig = style.new_figure()
     fig.update_layout(**style.base_layout("", height))
     fig.update_layout(
         xaxis={"visible": False}, yaxis={"visible": False},
