@@ -67,6 +67,11 @@ class TrainConfig:
     draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
     extract_missing: bool = False  # rows without captured features: one forward each (slow)
 
+    @property
+    def augment(self) -> Augment:
+        """The training-time corruption of the heads' inputs these settings ask for."""
+        return Augment(dropout=self.dropout, noise=self.noise)
+
 
 @dataclass(frozen=True)
 class Augment:
@@ -314,8 +319,7 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig,
                                     vocab_size=vocab_size, draft_vocab_size=draft_size))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
-    augment = Augment(dropout=config.dropout, noise=config.noise)
-    fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay, augment),
+    fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay, config.augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 

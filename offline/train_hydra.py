@@ -65,8 +65,7 @@ def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
-    augment = Augment(dropout=config.dropout, noise=config.noise)
-    fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay, augment),
+    fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay, config.augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 

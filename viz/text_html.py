@@ -208,7 +208,7 @@ def _measured(stats: RunStats) -> bool:
 def _tree_size_card(sizes: Sequence[int] | None) -> str:
     """Nodes verified per step on average, how many steps were plain (the root alone) and the largest tree:
     what an adaptive budget chose, seen at a glance."""
-    if sizes is None or not sizes:
+    if not sizes:  # plain decoding (None), or no step yet
         return ""
     plain = sum(1 for size in sizes if size == 0)
     mean = sum(sizes) / len(sizes)
