@@ -449,8 +449,7 @@ class LeanLlama:
                 self.kernel_report = saved.get("ms", {})
                 return
         report = self.choose_kernels()
-        chosen = {role: {bucket: min(times, key=times.get) for bucket, times in by_bucket.items()}
-                  for role, by_bucket in report.items()}
+        chosen = {role: fastest(by_bucket) for role, by_bucket in report.items()}
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"kernels": chosen, "ms": report}, indent=1))
@@ -483,25 +482,33 @@ class LeanLlama:
         in all layers (the weights come from memory, as in a forward) and keep the fastest: the
         best GEMV for a square weight is not the best for the vocabulary projection. Returns the
         measured ms per role, bucket and kernel (also kept in `kernel_report`)."""
-        candidates = ["linear", "wxt"]
-        if self.device.type == "cpu" and torch.backends.mkldnn.is_available() and self.dtype == torch.float32:
-            candidates.append("mkldnn")
-        if "mkldnn" in candidates:
-            for m in self.matmuls():
-                m.pack()
-        report: dict[str, dict[int, dict[str, float]]] = {}
-        for role, matmuls in self.roles().items():
-            report[role] = {}
-            for bucket, rows in zip(ROW_BUCKETS, (1, 8, 32, 64)):
-                kernels = candidates + (["split"] if rows == 1 and self.device.type == "cpu" else [])
-                report[role][bucket] = {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats)
-                                        for kernel in kernels}
+        report = {role: time_kernels(matmuls, dict(zip(ROW_BUCKETS, (1, 8, 32, 64))), repeats)
+                  for role, matmuls in self.roles().items()}
         for role, by_bucket in report.items():
-            self.apply_kernels({bucket: min(times, key=times.get) for bucket, times in by_bucket.items()}, role)
+            self.apply_kernels(fastest(by_bucket), role)
         self.kernel_report = report
-        log.info("lean forward kernels: %s", {role: {b: min(t, key=t.get) for b, t in by_bucket.items()}
-                                               for role, by_bucket in report.items()})
+        log.info("lean forward kernels: %s", {role: fastest(by_bucket) for role, by_bucket in report.items()})
         return report
+
+
+def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats: int = 2
+                 ) -> dict[int, dict[str, float]]:
+    """Median ms of every kernel available for `matmuls` (one weight shape, one precision) at each
+    row bucket (timed with `rows_by_bucket[bucket]` rows); packs the weights when mkldnn is a candidate."""
+    weight = matmuls[0].weight
+    candidates = ["linear", "wxt"]
+    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and weight.dtype == torch.float32:
+        candidates.append("mkldnn")
+        for m in matmuls:
+            m.pack()
+    return {bucket: {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats)
+                     for kernel in candidates + (["split"] if rows == 1 and weight.device.type == "cpu" else [])}
+            for bucket, rows in rows_by_bucket.items()}
+
+
+def fastest(times: dict[int, dict[str, float]]) -> dict[int, str]:
+    """The fastest kernel per row bucket of a `time_kernels` report."""
+    return {bucket: min(by_kernel, key=by_kernel.get) for bucket, by_kernel in times.items()}
 
 
 def _time_kernel(matmuls: list[Matmul], kernel: str, bucket: int, rows: int, repeats: int) -> float:

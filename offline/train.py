@@ -65,7 +65,13 @@ class TrainConfig:
     seed: int = 0
     eval_tokens: int = 128
     draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
+    depth_vocab: str = ""  # rows each head ranks, comma-separated (e.g. 16384,8192,4096,4096); "": all
     extract_missing: bool = False  # rows without captured features: one forward each (slow)
+
+    @property
+    def depth_sizes(self) -> tuple[int, ...]:
+        """`depth_vocab` as sizes (checked by the heads' config: `HeadsConfig.depth_vocab`)."""
+        return tuple(int(n) for n in self.depth_vocab.split(",") if n.strip())
 
     @property
     def augment(self) -> Augment:
@@ -204,6 +210,18 @@ class TrainVocab:
     index_of: torch.Tensor  # [V] long: each vocabulary id's row in `weight`, -1 if not drafted
     bf16: bool = False  # project under bf16 autocast (only where bf16 is fast: `core.model.fast_bf16`)
 
+    def prefix(self, rows: int) -> "TrainVocab":
+        """The first `rows` rows only (a deeper head's `depth_vocab`): tokens past them are not drafted."""
+        if rows >= self.weight.shape[0]:
+            return self
+        index_of = torch.where(self.index_of < rows, self.index_of, torch.full_like(self.index_of, -1))
+        return TrainVocab(weight=self.weight[:rows], index_of=index_of, bf16=self.bf16)
+
+
+def depth_vocabs(vocab: TrainVocab, depth_vocab: tuple[int, ...], num_heads: int) -> list[TrainVocab]:
+    """What each head (0-based list) ranks while training: its prefix of the draft vocabulary."""
+    return [vocab.prefix(n) for n in depth_vocab] if depth_vocab else [vocab] * num_heads
+
 
 def train_vocab(lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None, bf16: bool = False) -> TrainVocab:
     """A TrainVocab over `token_ids` [V'] (None: the whole vocabulary)."""
@@ -233,11 +251,12 @@ def draft_loss(states: torch.Tensor, vocab: TrainVocab, features: Features, targ
     return loss, hits
 
 
-def head_loss(heads: MedusaHeads, vocab: TrainVocab, features: Features, index: torch.Tensor,
+def head_loss(heads: MedusaHeads, vocabs: list[TrainVocab], features: Features, index: torch.Tensor,
               decay: float, augment: Augment = Augment()) -> tuple[torch.Tensor, list[float]]:
     """Weighted soft cross-entropy over heads for positions `index`, and per-head top-1 accuracy.
 
-    Head k (0-based) at position j predicts answer[j+k+1], from the teacher at j+k+1."""
+    Head k (0-based) at position j predicts answer[j+k+1], from the teacher at j+k+1, ranking
+    `vocabs[k]` (`depth_vocabs`)."""
     hidden = augment(features.hidden[index].float())  # [B, H]
     states = heads.head_states(hidden)  # [K, B, H]
     total = hidden.new_zeros(())
@@ -246,7 +265,7 @@ def head_loss(heads: MedusaHeads, vocab: TrainVocab, features: Features, index: 
         valid = features.remaining[index] > k  # target j+k+1 exists  [B]
         if not bool(valid.any()):
             continue  # a batch of answer ends: nothing for this head (a mean over nothing is NaN)
-        loss, hits = draft_loss(states[k][valid], vocab, features, index[valid] + k + 1)
+        loss, hits = draft_loss(states[k][valid], vocabs[k], features, index[valid] + k + 1)
         total = total + decay ** k * loss
         accuracy.append(float(hits.float().mean()))
     return total, accuracy
@@ -316,10 +335,12 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig,
     torch.manual_seed(config.seed)
     heads = MedusaHeads(HeadsConfig(num_heads=config.num_heads, num_layers=config.num_layers,
                                     hidden_size=base.model.config.hidden_size,
-                                    vocab_size=vocab_size, draft_vocab_size=draft_size))
+                                    vocab_size=vocab_size, draft_vocab_size=draft_size,
+                                    depth_vocab=config.depth_sizes))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
-    fit(heads, lambda index: head_loss(heads, vocab, features, index, config.decay, config.augment),
+    vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
+    fit(heads, lambda index: head_loss(heads, vocabs, features, index, config.decay, config.augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 

@@ -25,15 +25,15 @@ from core.model import BaseModel, fast_bf16
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate
 from core.tree import CandidateTree
-from offline.train import (Augment, Features, TrainConfig, TrainVocab, draft_coverage, draft_loss, features_fingerprint,
-                           fit, frequency_vocab, parse_config, run_training, train_vocab)
+from offline.train import (Augment, Features, TrainConfig, TrainVocab, depth_vocabs, draft_coverage, draft_loss,
+                           features_fingerprint, fit, frequency_vocab, parse_config, run_training, train_vocab)
 
 BUDGETS = (16, 32, 64)
 BEAM = HYDRA_BEAM  # as the decoder grows its trees by default
 WIDTH = 32  # the decoder's default top_m: children of the root
 
 
-def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor, features: Features, index: torch.Tensor,
+def hydra_loss(heads: HydraHeads, vocabs: list[TrainVocab], embed_weight: torch.Tensor, features: Features, index: torch.Tensor,
                decay: float, augment: Augment = Augment()) -> tuple[torch.Tensor, list[float]]:
     """Weighted soft cross-entropy of every head at positions `index`, and per-head top-1; `augment`
     corrupts the hidden states and the path embeddings (Hydra++'s noise on the path)."""
@@ -47,7 +47,7 @@ def hydra_loss(heads: HydraHeads, vocab: TrainVocab, embed_weight: torch.Tensor,
         rows = index[valid]  # [b]
         path = features.tokens[rows[:, None] + torch.arange(k)]  # [b, k]: answer[j..j+k-1]
         states = heads.head_state(k, hidden[valid], augment(embed_weight[path]))  # [b, H]
-        loss, hits = draft_loss(states, vocab, features, rows + k)
+        loss, hits = draft_loss(states, vocabs[k - 1], features, rows + k)
         total = total + decay ** (k - 1) * loss
         accuracy.append(float(hits.float().mean()))
     return total, accuracy
@@ -61,11 +61,12 @@ def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
     torch.manual_seed(config.seed)
     heads = HydraHeads(HydraConfig(num_heads=config.num_heads, num_layers=config.num_layers,
                                    hidden_size=base.model.config.hidden_size, vocab_size=vocab_size,
-                                   draft_vocab_size=draft_size))
+                                   draft_vocab_size=draft_size, depth_vocab=config.depth_sizes))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
+    vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
-    fit(heads, lambda index: hydra_loss(heads, vocab, embed_weight, features, index, config.decay, config.augment),
+    fit(heads, lambda index: hydra_loss(heads, vocabs, embed_weight, features, index, config.decay, config.augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
     return heads.eval().requires_grad_(False)
 
@@ -110,8 +111,7 @@ def hydra_accuracy(base: BaseModel, heads: HydraHeads, rows: list[dict], top: in
 def _top_ids(heads: HydraHeads, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor, projection, top: int
              ) -> torch.Tensor:
     states = heads.head_state(depth, hidden.to(path_embeds.dtype), path_embeds)  # [n, H]
-    ids = torch.topk(states @ projection.weight.T, top, dim=-1).indices  # [n, top]
-    return ids if projection.token_ids is None else projection.token_ids[ids]
+    return projection.vocabulary_ids(torch.topk(projection.logits(states, depth), top, dim=-1).indices)  # [n, top]
 
 
 def _accepted_depth(grown: GrownTree, answer: list[int], start: int) -> int:

@@ -5,7 +5,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from core.drafters.medusa import HeadsConfig, MedusaHeads, load_heads, load_official_medusa
+from core.drafters.medusa import MIN_DEPTH_VOCAB, HeadsConfig, MedusaHeads, load_heads, load_official_medusa
 
 
 def random_heads(config: HeadsConfig) -> MedusaHeads:
@@ -100,6 +100,49 @@ def test_draft_vocabulary_round_trips_and_restricts_proposals(tmp_path):
     plain = random_heads(HeadsConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=100))
     _, all_ids = plain.propose(hidden, 4, plain.draft_projection(lm_head))
     assert torch.equal(all_ids, torch.topk(plain(hidden, lm_head), 4, dim=-1).indices)
+
+
+def test_depth_vocabulary_ranks_a_prefix_per_head(tmp_path):
+    """With `depth_vocab`, head d ranks the first n_d draft tokens only (softmax over those), in
+    the same order as the full projection restricted to them; the sizes round-trip on disk."""
+    sizes = (160, 96, MIN_DEPTH_VOCAB)
+    heads = random_heads(HeadsConfig(num_heads=3, hidden_size=32, vocab_size=200, draft_vocab_size=160, depth_vocab=sizes))
+    heads.draft_vocab.copy_(torch.randperm(200, generator=torch.Generator().manual_seed(1))[:160])
+    heads.save(tmp_path / "d")
+    loaded = load_heads(tmp_path / "d")
+    assert loaded.config.depth_vocab == sizes and loaded.config == heads.config
+    lm_head = torch.nn.Linear(32, 200, bias=False)
+    hidden = torch.randn(6, 32)
+    for projection in (loaded.draft_projection(lm_head), loaded.draft_projection(lm_head).with_measured_kernels()):
+        probs, ids = loaded.propose(hidden, 8, projection)  # [3, 6, 8] each
+        full = heads(hidden, lm_head)  # [3, 6, 200]
+        for d, rows in enumerate(sizes):
+            allowed = heads.draft_vocab[:rows]
+            mine = full[d][..., allowed]  # [6, rows]
+            assert torch.equal(ids[d], allowed[torch.topk(mine, 8, dim=-1).indices])
+            assert torch.allclose(probs[d], torch.topk(torch.softmax(mine, -1), 8, dim=-1).values, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes,draft,match", [((100, 100), 100, "per head"), ((100, 100, 101), 100, "per head"),
+                                               ((100, 100, MIN_DEPTH_VOCAB - 1), 100, "per head"),
+                                               ((100, 100, 100), 0, "needs a draft vocabulary")])
+def test_depth_vocabulary_is_checked(sizes, draft, match):
+    with pytest.raises(ValueError, match=match):
+        HeadsConfig(num_heads=3, hidden_size=8, vocab_size=200, draft_vocab_size=draft, depth_vocab=sizes)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 40])
+def test_measured_kernels_compute_the_same_logits(rows):
+    """The draft projection's kernel (chosen by timing) changes the speed, not the numbers."""
+    heads = random_heads(HeadsConfig(num_heads=2, hidden_size=32, vocab_size=300, draft_vocab_size=250,
+                                     depth_vocab=(250, 128)))
+    heads.draft_vocab.copy_(torch.arange(250))
+    projection = heads.draft_projection(torch.nn.Linear(32, 300, bias=False))
+    measured = projection.with_measured_kernels()
+    assert set(measured.products) == {250, 128}
+    states = torch.randn(rows, 32)
+    for depth in (1, 2):
+        assert torch.allclose(measured.logits(states, depth), projection.logits(states, depth), atol=1e-5)
 
 
 def test_draft_vocabulary_size_mismatch_is_refused(tmp_path):

@@ -2,6 +2,8 @@
 guess, greedy exactness of `hydra` strategies, and the training loss (tiny in-process models)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,6 +92,23 @@ def test_hydra_greedy_fp32_equals_generate(base, hydra, spec):
     assert all(r.strategy in ("hydra", "lookup", "autoregressive") for r in session.records)
 
 
+def test_depth_vocabulary_limits_each_depth_and_stays_exact(base, hydra):
+    """Hydra heads with `depth_vocab` grow nodes at depth d from the first n_d draft tokens only,
+    and decoding with them still equals plain greedy."""
+    sizes = (256, 128, 96, 64)
+    limited = tiny_hydra(base)
+    limited.config = dataclasses.replace(limited.config, depth_vocab=sizes)
+    grown = grow_tree(limited, base.model.get_input_embeddings(), limited.draft_projection(base.lm_head),
+                      torch.randn(base.model.config.hidden_size), 65, budget=60, width=3, beam=3, depth=4)
+    table = grown.token_table.tolist()
+    for path in grown.tree.paths:
+        assert table[len(path) - 1][path[-1]] in limited.draft_vocab[: sizes[len(path) - 1]].tolist()
+    assert max(len(p) for p in grown.tree.paths) == 4
+    expected = greedy_reference(base, PROMPT, 32)
+    session = decode(base, limited, PROMPT, DecodeConfig(strategy="hydra", budget=24, top_m=8, max_new_tokens=32))
+    assert session.output_ids == expected
+
+
 def test_hydra_strategy_refuses_medusa_heads(base):
     with pytest.raises(ValueError, match="Hydra heads"):
         decode(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=4))
@@ -110,7 +129,7 @@ def test_hydra_loss_reads_the_true_path():
     features = Features(hidden=torch.randn(4, hidden_size).bfloat16(), remaining=torch.tensor([3, 2, 1, 0]),
                         tokens=tokens, teacher_ids=tokens[:, None].int(), teacher_probs=torch.ones(4, 1).half())
     index = torch.tensor([0, 1, 2, 3])
-    loss, _ = hydra_loss(heads, vocab, embed, features, index, decay=0.5)
+    loss, _ = hydra_loss(heads, [vocab] * 2, embed, features, index, decay=0.5)
     by_hand = torch.zeros(())
     for k, decay in ((1, 1.0), (2, 0.5)):
         rows = torch.tensor([j for j in range(4) if j + k <= 3])

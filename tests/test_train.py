@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from core.drafters.medusa import load_heads
-from offline.train import (Augment, Features, TrainConfig, calibrated_choices, extract_features, frequency_vocab,
-                           head_loss, train_heads, train_vocab)
+from offline.train import (Augment, Features, TrainConfig, calibrated_choices, depth_vocabs, extract_features,
+                           frequency_vocab, head_loss, train_heads, train_vocab)
 from core.tree import fixed_tree, load_named_trees
 from tests.test_tree import check_invariants
 
@@ -32,10 +32,10 @@ def test_tiny_training_lowers_loss_and_saves(base_bf16, tiny_features, tmp_path)
     fresh = MedusaHeads(HeadsConfig(num_heads=3))
     vocab = train_vocab(base_bf16.lm_head.weight, None)
     with torch.no_grad():
-        before, _ = head_loss(fresh, vocab, tiny_features, index, config.decay)
+        before, _ = head_loss(fresh, [vocab] * 3, tiny_features, index, config.decay)
     heads = train_heads(base_bf16, tiny_features, config)
     with torch.no_grad():
-        after, accuracy = head_loss(heads, vocab, tiny_features, index, config.decay)
+        after, accuracy = head_loss(heads, [vocab] * 3, tiny_features, index, config.decay)
     assert after < 0.7 * before
     heads.save(tmp_path / "heads")
     loaded = load_heads(tmp_path / "heads")
@@ -107,7 +107,7 @@ def test_draft_training_vocab_matches_full_softmax_restricted():
                         teacher_probs=torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.6, 0.4], [0.7, 0.3]]).half())
     from core.drafters.medusa import HeadsConfig, MedusaHeads
     heads = MedusaHeads(HeadsConfig(num_heads=1, hidden_size=8, vocab_size=50))
-    loss, accuracy = head_loss(heads, vocab, features, torch.tensor([0, 1, 2]), 0.8)
+    loss, accuracy = head_loss(heads, [vocab], features, torch.tensor([0, 1, 2]), 0.8)
     # by hand: head 1 at j predicts token j+1, from the teacher at j+1
     hidden = features.hidden[:3].float()
     logits = hidden @ weight[draft].T  # [3, 6] fp32: bf16 autocast only where bf16 is fast
@@ -125,8 +125,18 @@ def test_draft_training_vocab_matches_full_softmax_restricted():
     assert accuracy[0] == pytest.approx(sum(expected_hits) / 3)
     undrafted = Features(hidden=features.hidden, remaining=features.remaining, tokens=torch.tensor([3, 1, 1, 1]),
                          teacher_ids=features.teacher_ids, teacher_probs=features.teacher_probs)
-    _, accuracy = head_loss(heads, vocab, undrafted, torch.tensor([0, 1, 2]), 0.8)
+    _, accuracy = head_loss(heads, [vocab], undrafted, torch.tensor([0, 1, 2]), 0.8)
     assert accuracy == [0.0]
+    # a deeper head's prefix of the draft rows (`depth_vocab`): tokens past it are undrafted for it
+    short = vocab.prefix(3)
+    assert torch.equal(short.weight, weight[draft[:3]]) and short.index_of[4] == 2 and short.index_of[40] == -1
+    loss, _ = head_loss(heads, [short], features, torch.tensor([0, 1, 2]), 0.8)
+    log_probs = torch.log_softmax(hidden @ weight[draft[:3]].T, -1)  # [3, 3]
+    targets = [[(1, 0.9), (2, 0.1)], [(2, 0.6)]]  # position 2's teacher (tokens 9, 0) lies past the prefix
+    by_hand = [-sum(p / sum(q for _, q in pairs) * log_probs[row, r] for r, p in pairs) for row, pairs in enumerate(targets)]
+    by_hand.append(torch.zeros(()))  # no teacher mass left: that row contributes nothing
+    assert torch.allclose(loss, torch.stack(by_hand).mean(), atol=1e-5)
+    assert depth_vocabs(vocab, (6, 3), 2)[1].weight.shape[0] == 3 and depth_vocabs(vocab, (), 2) == [vocab, vocab]
 
 
 def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts):

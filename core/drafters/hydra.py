@@ -34,8 +34,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from core.drafters.medusa import DraftProjection, ResBlock, draft_rows
-from core.model import REPO_ROOT, linear_rows
+from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
+from core.model import REPO_ROOT
 from core.tree import CandidateTree, RankPath
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
@@ -52,6 +52,11 @@ class HydraConfig:
     vocab_size: int = 49152
     draft_vocab_size: int = 16384
     base_model: str = "SmolLM2-135M-Instruct"
+    depth_vocab: tuple[int, ...] = ()  # rows of the draft vocabulary head d ranks (a prefix); (): all
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depth_vocab", checked_depth_vocab(self.depth_vocab, self.num_heads,
+                                                                    self.draft_vocab_size))
 
 
 class HydraHead(nn.Module):
@@ -82,7 +87,7 @@ class HydraHeads(nn.Module):
 
     def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
         """The lm_head rows the heads rank (build once per session, not per step)."""
-        return draft_rows(lm_head, self.draft_vocab)
+        return draft_rows(lm_head, self.draft_vocab, self.config.depth_vocab)
 
     def head_state(self, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
         """Head `depth` (1-based) on hidden [..., H] and the path's embeddings [..., depth, H]."""
@@ -149,10 +154,8 @@ def _children(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
     """Head `paths.shape[1]`'s top-`width` (probabilities, ids) after each path [B, d] (root first)."""
     depth = paths.shape[1]
     states = heads.head_state(depth, hidden.expand(len(paths), -1), embed(paths))  # [B, H]
-    logits = linear_rows(states, projection.weight)  # [B, V']
-    top = torch.topk(torch.softmax(logits.float(), dim=-1), width, dim=-1)  # [B, width]
-    ids = top.indices if projection.token_ids is None else projection.token_ids[top.indices]
-    return top.values.cpu(), ids.cpu()
+    probs, ids = ranked(projection.logits(states, depth), width, projection)  # [B, width] each
+    return probs.cpu(), ids.cpu()
 
 
 @torch.inference_mode()

@@ -51,13 +51,12 @@ def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel
     if dtype not in cast:
         own = isinstance(heads, MedusaHeads) and heads.config.own_lm_head
         projection = None if own else heads.draft_projection(base.lm_head)
-        if next(heads.parameters()).dtype == dtype:
-            cast[dtype] = (heads, projection)
-        else:
-            copied = copy.deepcopy(heads).to(dtype)
-            if projection is not None:
-                projection = DraftProjection(weight=projection.weight.to(dtype), token_ids=projection.token_ids)
-            cast[dtype] = (copied, projection)
+        if projection is not None and projection.weight.dtype != dtype:
+            projection = projection.to(dtype)
+        if projection is not None and base.engine is not None:
+            projection = projection.with_measured_kernels()
+        drafting_heads = heads if next(heads.parameters()).dtype == dtype else copy.deepcopy(heads).to(dtype)
+        cast[dtype] = (drafting_heads, projection)
     drafting, projection = cast[dtype]
     return drafting, projection, dtype
 

@@ -13,21 +13,30 @@ Draft vocabulary (after FR-Spec, Zhao et al. 2025): shared-lm_head heads may car
 most frequent answer tokens; proposals are then projected onto those rows of the lm_head only
 (16k of 49k rows: a third of the weight read, which dominates a head step on CPU). Verification
 still uses the full vocabulary, so decoding stays exact; a guess outside the list is just a miss.
+Deeper heads may rank fewer of those rows (`depth_vocab`, a prefix of the list per head): their
+guesses are rarely right outside the most frequent tokens, and on a CPU a few thousand rows stay
+in the cache across the depths of a step while 16k rows stream from memory each time.
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import safetensors.torch
 import torch
 from torch import nn
 
+from core.engine import Matmul, fastest, time_kernels
 from core.model import REPO_ROOT, linear_rows
+from core.strategy import MAX_TOP_M
 
 DEFAULT_HEADS_DIR = REPO_ROOT / "assets" / "heads"
+# row bucket -> rows timed for it when choosing the draft projection's kernel (see with_measured_kernels)
+DRAFT_ROW_BUCKETS = {1: 1, 8: 4, 32: 9}
+MIN_DEPTH_VOCAB = MAX_TOP_M  # the fewest rows a head may rank: every head can fill the widest top-m
 
 
 @dataclass(frozen=True)
@@ -41,22 +50,89 @@ class HeadsConfig:
     own_lm_head: bool = False  # False: project with the base model's (frozen) lm_head
     base_model: str = "SmolLM2-135M-Instruct"
     draft_vocab_size: int = 0  # 0: heads rank the whole vocabulary
+    depth_vocab: tuple[int, ...] = ()  # rows of the draft vocabulary head d ranks (a prefix); (): all
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depth_vocab", checked_depth_vocab(self.depth_vocab, self.num_heads,
+                                                                    self.draft_vocab_size))
+
+
+def checked_depth_vocab(depth_vocab, num_heads: int, draft_vocab_size: int) -> tuple[int, ...]:
+    """`depth_vocab` as a tuple, or ValueError: one size per head, each within the draft vocabulary
+    (a prefix of a frequency-sorted list: without a draft vocabulary there is nothing to cut)."""
+    sizes = tuple(int(n) for n in depth_vocab)
+    if not sizes:
+        return sizes
+    if not draft_vocab_size:
+        raise ValueError("depth_vocab needs a draft vocabulary (draft_vocab_size > 0)")
+    if len(sizes) != num_heads or not all(MIN_DEPTH_VOCAB <= n <= draft_vocab_size for n in sizes):
+        raise ValueError(f"depth_vocab {list(sizes)}: one size in {MIN_DEPTH_VOCAB}..{draft_vocab_size} per head"
+                         f" ({num_heads} heads)")
+    return sizes
 
 
 @dataclass(frozen=True)
 class DraftProjection:
-    """The vocabulary the heads rank: rows of the shared lm_head (token_ids None: all of them)."""
+    """The vocabulary the heads rank: rows of the shared lm_head (token_ids None: all of them).
+    Head d ranks the first `rows_at(d)` rows (the draft vocabulary is most frequent first)."""
 
     weight: torch.Tensor  # [V', H]
     token_ids: torch.Tensor | None  # [V'] vocabulary id of each row, or None for the identity
+    depth_vocab: tuple[int, ...] = ()  # rows head d (1-based) ranks; (): all of them at every depth
+    # row count -> the product by the kernel the engine chose for the vocabulary projection
+    products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, compare=False)
+
+    def rows_at(self, depth: int) -> int:
+        """How many rows head `depth` (1-based) ranks."""
+        return self.depth_vocab[depth - 1] if self.depth_vocab else self.weight.shape[0]
+
+    @property
+    def uniform(self) -> bool:
+        """Every head ranks the same rows (so all heads can share one product)."""
+        return len(set(self.depth_vocab)) <= 1
+
+    def logits(self, states: torch.Tensor, depth: int) -> torch.Tensor:
+        """Head `depth`'s logits over its rows: states [..., H] -> [..., rows_at(depth)]."""
+        rows = self.rows_at(depth)
+        product = self.products.get(rows)
+        return product(states) if product is not None else linear_rows(states, self.weight[:rows])
+
+    def vocabulary_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids of row indices (any shape)."""
+        return rows if self.token_ids is None else self.token_ids[rows]
+
+    def to(self, dtype: torch.dtype) -> "DraftProjection":
+        """The same rows in `dtype` (kernel choices are per precision, so none carry over)."""
+        return DraftProjection(weight=self.weight.to(dtype), token_ids=self.token_ids, depth_vocab=self.depth_vocab)
+
+    def with_measured_kernels(self) -> "DraftProjection":
+        """The same projection, each row count multiplied by the kernel that measured fastest here
+        for the row counts drafting uses (1: a root; 4: Medusa's heads; 9: a Hydra frontier). Why:
+        on a 2-core CPU without AVX512 the best kernel for 9 rows of 16k differs from 4 rows' and
+        from the base lm_head's; measuring takes well under a second, once per process."""
+        products = {}
+        for rows in sorted(set(self.depth_vocab) or {self.weight.shape[0]}):
+            product = Matmul(self.weight[:rows], None)  # a prefix of a contiguous weight: a view
+            product.kernels = fastest(time_kernels([product], DRAFT_ROW_BUCKETS))
+            if "mkldnn" not in product.kernels.values():
+                product.packed = None
+            products[rows] = product
+        return replace(self, products=products)
 
 
-def draft_rows(lm_head: nn.Module, draft_vocab: torch.Tensor) -> DraftProjection:
+def draft_rows(lm_head: nn.Module, draft_vocab: torch.Tensor, depth_vocab: tuple[int, ...] = ()) -> DraftProjection:
     """The lm_head rows of `draft_vocab` [V'] (empty: the whole vocabulary), for any shared-lm_head heads."""
     if len(draft_vocab) == 0:
         return DraftProjection(weight=lm_head.weight, token_ids=None)
     ids = draft_vocab.to(lm_head.weight.device)
-    return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids)  # [V', H]
+    return DraftProjection(weight=lm_head.weight[ids].contiguous(), token_ids=ids, depth_vocab=depth_vocab)  # [V', H]
+
+
+def ranked(logits: torch.Tensor, width: int, projection: DraftProjection | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`width` probabilities and vocabulary ids of `logits` [..., V'] (softmax in fp32)."""
+    top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
+    ids = top.indices if projection is None else projection.vocabulary_ids(top.indices)
+    return top.values, ids
 
 
 class ResBlock(nn.Module):
@@ -93,7 +169,7 @@ class MedusaHeads(nn.Module):
         """The (sliced) lm_head weight the heads project onto; build once per session, not per step."""
         if self.config.own_lm_head:
             raise ValueError("heads with their own projection have no draft vocabulary")
-        return draft_rows(lm_head, self.draft_vocab)
+        return draft_rows(lm_head, self.draft_vocab, self.config.depth_vocab)
 
     def propose(self, hidden: torch.Tensor, width: int, projection: DraftProjection | None = None,
                 depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,17 +177,17 @@ class MedusaHeads(nn.Module):
         ([D, ..., width], [D, ..., width]). Shared-lm_head heads need `projection`."""
         blocks = self.heads[: depth or len(self.heads)]
         if self.config.own_lm_head:
-            logits = torch.stack([head(hidden) for head in blocks])  # [D, ..., V]
-            token_ids = None
-        else:
-            if projection is None:
-                raise ValueError("these heads share the base model's lm_head: pass draft_projection(lm_head)")
-            states = torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
-            logits = linear_rows(states, projection.weight)  # [D, ..., V'] one matmul for all heads
-            token_ids = projection.token_ids
-        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
-        ids = top.indices if token_ids is None else token_ids[top.indices]  # [D, ..., width]
-        return top.values, ids
+            return ranked(torch.stack([head(hidden) for head in blocks]), width, None)  # [D, ..., V]
+        if projection is None:
+            raise ValueError("these heads share the base model's lm_head: pass draft_projection(lm_head)")
+        states = torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
+        # one product for all heads (a few rows read the weight once; one per head would read it
+        # D times), then each head ranks its own prefix of the rows
+        logits = projection.logits(states, 1 + max(range(len(blocks)), key=lambda d: projection.rows_at(d + 1)))
+        if projection.uniform:
+            return ranked(logits, width, projection)  # [D, ..., width] each
+        per_head = [ranked(logits[d, ..., : projection.rows_at(d + 1)], width, projection) for d in range(len(blocks))]
+        return torch.stack([p for p, _ in per_head]), torch.stack([i for _, i in per_head])  # [D, ..., width]
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The residual blocks only: [..., H] -> [K, ..., H] (shared-lm_head heads)."""
