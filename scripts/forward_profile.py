@@ -107,7 +107,7 @@ def measure(dtype: str, engine: str, sizes: list[int], context: int, repeats: in
 
 def print_table(rows: list[dict], sizes: list[int], context: int) -> None:
     """A markdown table: per precision and forward, ms per verify of n tokens, x the weight read."""
-    print(f"\n| precision | forward | weight read ms | " + " | ".join(f"n={n}" for n in sizes)
+    print("\n| precision | forward | weight read ms | " + " | ".join(f"n={n}" for n in sizes)
           + " | n=1 / weight read | batch-48 step ms (tokens/s) |")
     print("|" + "---|" * (len(sizes) + 5))
     for row in rows:

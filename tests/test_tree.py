@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import json
-from pathlib import Path
 
 import pytest
 import torch
