@@ -109,6 +109,14 @@ class Matmul:
         if self.packed is None:
             self.packed = self.weight.to_mkldnn()
 
+    def use_kernels(self, kernels: dict[int, str]) -> None:
+        """Take `kernels` (row bucket -> kernel name); the mkldnn copy is kept only where one uses it."""
+        self.kernels.update(kernels)
+        if "mkldnn" in self.kernels.values():
+            self.pack()
+        else:
+            self.packed = None
+
 
 # one worker for the split GEMV: a process-wide, stateless resource like torch's own thread pool
 _GEMV_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lean-gemv")
@@ -466,13 +474,8 @@ class LeanLlama:
     def apply_kernels(self, kernels: dict[int, str], role: str | None = None) -> None:
         """Use `kernels` (row bucket -> kernel name) for the projections of `role` (None: all); the
         mkldnn copy of a weight is kept only where some bucket uses it."""
-        matmuls = self.roles()[role] if role else self.matmuls()
-        for m in matmuls:
-            m.kernels.update(kernels)
-            if "mkldnn" in m.kernels.values():
-                m.pack()
-            else:
-                m.packed = None
+        for m in self.roles()[role] if role else self.matmuls():
+            m.use_kernels(kernels)
 
     def matmuls(self) -> list[Matmul]:
         return [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [self.lm_head]

@@ -79,7 +79,7 @@ class DraftProjection:
     weight: torch.Tensor  # [V', H]
     token_ids: torch.Tensor | None  # [V'] vocabulary id of each row, or None for the identity
     depth_vocab: tuple[int, ...] = ()  # rows head d (1-based) ranks; (): all of them at every depth
-    # row count -> the product by the kernel the engine chose for the vocabulary projection
+    # row count -> its product by the kernel measured fastest here (`with_measured_kernels`)
     products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, compare=False)
 
     def rows_at(self, depth: int) -> int:
@@ -113,9 +113,7 @@ class DraftProjection:
         products = {}
         for rows in sorted(set(self.depth_vocab) or {self.weight.shape[0]}):
             product = Matmul(self.weight[:rows], None)  # a prefix of a contiguous weight: a view
-            product.kernels = fastest(time_kernels([product], DRAFT_ROW_BUCKETS))
-            if "mkldnn" not in product.kernels.values():
-                product.packed = None
+            product.use_kernels(fastest(time_kernels([product], DRAFT_ROW_BUCKETS)))
             products[rows] = product
         return replace(self, products=products)
 
@@ -183,7 +181,8 @@ class MedusaHeads(nn.Module):
         states = torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
         # one product for all heads (a few rows read the weight once; one per head would read it
         # D times), then each head ranks its own prefix of the rows
-        logits = projection.logits(states, 1 + max(range(len(blocks)), key=lambda d: projection.rows_at(d + 1)))
+        widest = max(range(1, len(blocks) + 1), key=projection.rows_at)  # the depth ranking the most rows
+        logits = projection.logits(states, widest)  # [D, ..., rows_at(widest)]
         if projection.uniform:
             return ranked(logits, width, projection)  # [D, ..., width] each
         per_head = [ranked(logits[d, ..., : projection.rows_at(d + 1)], width, projection) for d in range(len(blocks))]
