@@ -145,7 +145,7 @@ def benchmark_tab(results: Path) -> None:
     for path in (p for p in files if p.stem in current):
         result = json.loads(path.read_text())
         gr.Markdown(bench_heading(result) + "\n\n" + markdown_table(result), elem_classes=["bench-table"])
-        gr.Plot(bench_figure(result, path.stem), show_label=False)
+        gr.Plot(bench_figure(result), show_label=False)  # titled in words (set, precision, prompts)
         for strategy in stepped_strategies(result):
             with gr.Accordion(f"{strategy} step by step: tree sizes and controller state per prompt", open=False):
                 gr.Plot(step_trace_figure(result, strategy), show_label=False)

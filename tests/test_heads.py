@@ -141,8 +141,11 @@ def test_measured_kernels_compute_the_same_logits(rows):
     measured = projection.with_measured_kernels()
     assert set(measured.products) == {250, 128}
     states = torch.randn(rows, 32)
+    widest_only = projection.with_measured_kernels((250,))  # what Medusa asks: it projects once
+    assert set(widest_only.products) == {250}
     for depth in (1, 2):
         assert torch.allclose(measured.logits(states, depth), projection.logits(states, depth), atol=1e-5)
+        assert torch.allclose(widest_only.logits(states, depth), projection.logits(states, depth), atol=1e-5)
 
 
 def test_draft_vocabulary_size_mismatch_is_refused(tmp_path):

@@ -90,5 +90,11 @@ def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server,
         rival.screenshot(path=str(folder / "two_drafters_hydra.png"))
         page.evaluate("window.scrollTo(0, 0)")
         page.screenshot(path=str(folder / "gallery_1440x900.png"))
+        page.get_by_role("tab", name="Benchmarks").click()
+        page.locator(".bench-table table").first.wait_for()
+        for width, height in ((1440, 900), (1280, 800)):  # every column of the results in view, no sideways scroll
+            page.set_viewport_size({"width": width, "height": height})
+            assert page.evaluate("() => [...document.querySelectorAll('.bench-table table')]"
+                                 ".every(t => t.scrollWidth <= t.clientWidth + 1)"), width
         print(f"replay-only: launch -> first drawn tree {first_tree:.1f} s, one replayed step {step_seconds:.2f} s")
         browser.close()

@@ -23,7 +23,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import safetensors.torch
 import torch
@@ -105,13 +105,14 @@ class DraftProjection:
         """The same rows in `dtype` (kernel choices are per precision, so none carry over)."""
         return DraftProjection(weight=self.weight.to(dtype), token_ids=self.token_ids, depth_vocab=self.depth_vocab)
 
-    def with_measured_kernels(self) -> "DraftProjection":
-        """The same projection, each row count multiplied by the kernel that measured fastest here
-        for the row counts drafting uses (1: a root; 4: Medusa's heads; 9: a Hydra frontier). Why:
-        on a 2-core CPU without AVX512 the best kernel for 9 rows of 16k differs from 4 rows' and
-        from the base lm_head's; measuring takes well under a second, once per process."""
+    def with_measured_kernels(self, row_counts: Collection[int] = ()) -> "DraftProjection":
+        """The same projection, each of `row_counts` (default: every depth's) multiplied by the
+        kernel that measured fastest here for the row counts drafting uses (1: a root; 4: Medusa's
+        heads; 9: a Hydra frontier). Why: on a 2-core CPU without AVX512 the best kernel for 9 rows
+        of 16k differs from 4 rows' and from the base lm_head's; measuring takes well under a
+        second, once per process. Row counts left out keep the plain product."""
         products = {}
-        for rows in sorted(set(self.depth_vocab) or {self.weight.shape[0]}):
+        for rows in sorted(set(row_counts) or set(self.depth_vocab) or {self.weight.shape[0]}):
             product = Matmul(self.weight[:rows], None)  # a prefix of a contiguous weight: a view
             product.use_kernels(fastest(time_kernels([product], DRAFT_ROW_BUCKETS)))
             products[rows] = product
