@@ -91,7 +91,7 @@ def test_shipped_heads_load_by_default_and_predict(base_fp32, mt_bench_prompts):
     assert description.startswith("trained")
     rows = _held_out_rows(base_fp32, mt_bench_prompts)
     accuracy = head_accuracy(base_fp32, heads, rows)
-    assert accuracy[0][0] > 0.15, accuracy
+    assert accuracy[0][0] > 0.30, accuracy  # round 12's heads: .415 here (round 8's: .367)
 
 
 def test_draft_training_vocab_matches_full_softmax_restricted():
@@ -141,7 +141,8 @@ def test_draft_training_vocab_matches_full_softmax_restricted():
 
 def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts):
     """Guard on the shipped Hydra heads: given the true path, depths 2-4 stay far above what
-    Medusa heads trained on the same data reach (.11 / .07 / .05 on MT-Bench)."""
+    Medusa heads reach (.15 / .10 / .08 on MT-Bench). On these four answers round 12's heads score
+    .53 / .54 / .48 / .46 (round 11's: .40 / .33 / .27 / .24, which this guard now refuses)."""
     from core.drafters.hydra import default_hydra_heads
     from offline.train_hydra import hydra_accuracy
     heads = default_hydra_heads()
@@ -149,7 +150,7 @@ def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts)
     rows = _held_out_rows(base_fp32, mt_bench_prompts)
     accuracy, own = hydra_accuracy(base_fp32, heads, rows)
     top1 = [a[0] for a in accuracy]
-    assert top1[0] > 0.2 and min(top1[1:]) > 0.13, top1
+    assert top1[0] > 0.42 and min(top1[1:]) > 0.36, top1
     assert own[0] == top1[0]  # depth 1 reads only the root: the same guess either way
 
 
