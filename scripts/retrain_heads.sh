@@ -12,14 +12,19 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 PY=.venv/bin/python
-DATA=${DATA:-data/distill_chat.jsonl}
-EPOCHS=${EPOCHS:-2.0}
+CHAT=${CHAT:-data/distill_chat.jsonl}
+EPOCHS=${EPOCHS:-1.0}
+# round 12's recipe (README, "Drafters and results at a glance")
+RECIPE=(--epochs "$EPOCHS" --depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
 if [ "${GENERATE:-1}" = "1" ]; then
   .venv/bin/pip install -q -r requirements-datagen.txt
-  $PY -m offline.datagen --out "$DATA" --train-prompts 0 --self-prompts 0 --sharegpt 11000 --max-new-tokens 256
+  $PY -m offline.datagen --out "$CHAT" --train-prompts 0 --self-prompts 0 --sharegpt 11000 --max-new-tokens 256
 fi
-$PY -m offline.train --data "$DATA" --out assets/heads --epochs "$EPOCHS"
-$PY -m offline.train_hydra --data "$DATA" --out assets/hydra --epochs "$EPOCHS"
+# the older 406k instruction-answer tokens ship compressed; their features are extracted once, cached beside them
+[ -f data/distill.jsonl ] || zcat assets/distill/distill.jsonl.gz > data/distill.jsonl
+DATA="$CHAT,data/distill.jsonl"
+$PY -m offline.train_hydra --data "$DATA" --extract-missing true --out assets/hydra "${RECIPE[@]}"
+$PY -m offline.train --data "$DATA" --extract-missing true --out assets/heads "${RECIPE[@]}"
 TREES=fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63,dynamic:128
 $PY -m offline.simulate --answers assets/results/mt_bench_answers.jsonl --trees $TREES \
     --out assets/results/tokens_per_step.json
