@@ -55,8 +55,7 @@ def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel
             projection = projection.to(dtype)
         if projection is not None and base.engine is not None:
             # Medusa projects once onto its widest rows; Hydra multiplies every depth's own rows
-            rows = (max(projection.rows_at(d) for d in range(1, heads.config.num_heads + 1)),) \
-                if isinstance(heads, MedusaHeads) else ()
+            rows = (projection.widest_rows,) if isinstance(heads, MedusaHeads) else ()
             projection = projection.with_measured_kernels(rows)
         drafting_heads = heads if next(heads.parameters()).dtype == dtype else copy.deepcopy(heads).to(dtype)
         cast[dtype] = (drafting_heads, projection)

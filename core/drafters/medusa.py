@@ -91,9 +91,17 @@ class DraftProjection:
         """Every head ranks the same rows (so all heads can share one product)."""
         return len(set(self.depth_vocab)) <= 1
 
+    @property
+    def widest_rows(self) -> int:
+        """The most rows any head ranks (what one product shared by all heads must cover)."""
+        return max(self.depth_vocab, default=self.weight.shape[0])
+
     def logits(self, states: torch.Tensor, depth: int) -> torch.Tensor:
         """Head `depth`'s logits over its rows: states [..., H] -> [..., rows_at(depth)]."""
-        rows = self.rows_at(depth)
+        return self.rows_logits(states, self.rows_at(depth))
+
+    def rows_logits(self, states: torch.Tensor, rows: int) -> torch.Tensor:
+        """Logits over the first `rows` rows: states [..., H] -> [..., rows]."""
         product = self.products.get(rows)
         return product(states) if product is not None else linear_rows(states, self.weight[:rows])
 
@@ -182,8 +190,7 @@ class MedusaHeads(nn.Module):
         states = torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
         # one product for all heads (a few rows read the weight once; one per head would read it
         # D times), then each head ranks its own prefix of the rows
-        widest = max(range(1, len(blocks) + 1), key=projection.rows_at)  # the depth ranking the most rows
-        logits = projection.logits(states, widest)  # [D, ..., rows_at(widest)]
+        logits = projection.rows_logits(states, projection.widest_rows)  # [D, ..., widest_rows]
         if projection.uniform:
             return ranked(logits, width, projection)  # [D, ..., width] each
         per_head = [ranked(logits[d, ..., : projection.rows_at(d + 1)], width, projection) for d in range(len(blocks))]
