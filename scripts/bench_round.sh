@@ -10,10 +10,11 @@ bash scripts/setup.sh
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 PY=.venv/bin/python
 OUT=assets/results
-ROUND=${ROUND:-round8}
+ROUND=${ROUND:-round13}
 STRIDE=${STRIDE:-8}
 SETS=${SETS:-"mtbench specmix collapse"}
-MAIN=ar,ar@hf,hf:greedy,dynamic:auto,dynamic:auto@hf,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,hf:prompt_lookup
+# round 8 measured the engine before/after (ar@hf, dynamic:auto@hf); STRATEGIES=... adds them back
+MAIN=${STRATEGIES:-ar,hf:greedy,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,hf:prompt_lookup}
 DEFAULT=$($PY -c "from core.model import default_precision; print(default_precision())")
 DTYPES=$DEFAULT; [ "$DEFAULT" != fp32 ] && DTYPES="$DEFAULT fp32"
 for DTYPE in $DTYPES; do

@@ -141,8 +141,9 @@ def test_draft_training_vocab_matches_full_softmax_restricted():
 
 def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts):
     """Guard on the shipped Hydra heads: given the true path, depths 2-4 stay far above what
-    Medusa heads reach (.15 / .10 / .08 on MT-Bench). On these four answers round 12's heads score
-    .53 / .54 / .48 / .46 (round 11's: .40 / .33 / .27 / .24, which this guard now refuses)."""
+    Medusa heads reach (.15 / .10 / .08 on MT-Bench). On these four answers round 13's heads score
+    .57 / .58 / .49 / .49 (round 12's: .53 / .54 / .48 / .46; round 11's: .40 / .33 / .27 / .24,
+    which this guard refuses)."""
     from core.drafters.hydra import default_hydra_heads
     from offline.train_hydra import hydra_accuracy
     heads = default_hydra_heads()
@@ -150,7 +151,7 @@ def test_shipped_hydra_heads_load_and_read_the_path(base_fp32, mt_bench_prompts)
     rows = _held_out_rows(base_fp32, mt_bench_prompts)
     accuracy, own = hydra_accuracy(base_fp32, heads, rows)
     top1 = [a[0] for a in accuracy]
-    assert top1[0] > 0.42 and min(top1[1:]) > 0.36, top1
+    assert top1[0] > 0.45 and min(top1[1:]) > 0.40, top1
     assert own[0] == top1[0]  # depth 1 reads only the root: the same guess either way
 
 
