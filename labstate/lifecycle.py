@@ -70,17 +70,22 @@ def _finished_notice(run: Run) -> LabNotice:
 DROPPED_STEP = "Stopped: a Step clicked before Stop was dropped."
 
 
-def step_run(lab: LabState, run: Run, epoch: int | None = None) -> StepRecord | None:
+def step_run(lab: LabState, run: Run, epoch: int | None = None, clicked_at: float | None = None) -> StepRecord | None:
     """One decoding step of `run` (serialised per user).
 
     With `epoch` (the state's epoch when the step was asked for), a step that waited for the lock
-    while Stop, Start or Reset happened is dropped: None, nothing stepped.
+    while Stop, Start or Reset happened is dropped: None, nothing stepped. With `clicked_at` (the
+    page's clock at the click), so is one clicked before the last Stop. Both are checked under the
+    lock: a Step that passed its early check just before Stop and read the epoch just after it
+    would otherwise step once Stop had drawn the run as stopped.
     """
     if run.session.finished:
         raise _finished_notice(run)
     acquire(lab)
     try:
         if epoch is not None and (lab.epoch != epoch or lab.run is not run):
+            return None
+        if lab.clicked_before_stop(clicked_at):
             return None
         if run.session.finished:  # another request finished it while this one waited
             raise _finished_notice(run)
@@ -124,7 +129,7 @@ def step_once(lab: LabState, prompt: str, settings: Settings, clicked_at: float 
         return DROPPED_STEP
     run, changed = ensure_run(lab, prompt, settings)
     epoch = lab.epoch
-    if step_run(lab, run, epoch) is None:
+    if step_run(lab, run, epoch, clicked_at) is None:
         return DROPPED_STEP
     lab.pause_after_step(run, epoch)
     if run.session.finished:
@@ -151,7 +156,7 @@ def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[
             if not alive():
                 raise SessionExpired("Your session expired while running (the lab needed room). Press **Start** "
                                      "to begin again.")
-            if lab.run is not run or step_run(lab, run, epoch) is None:
+            if lab.run is not run or step_run(lab, run, epoch, clicked_at) is None:
                 return
             yield note if not run.session.finished else "Comparing with plain greedy decoding…"
     finally:

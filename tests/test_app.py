@@ -295,6 +295,17 @@ def test_a_step_that_waited_through_stop_is_dropped():
     assert labstate.step_run(lab, run, lab.epoch) is not None
 
 
+def test_a_step_clicked_before_stop_that_read_the_epoch_after_it_is_dropped():
+    """The race CI saw once ("stopped after step 8", then 9): a Step passed its early clicked-before-Stop
+    check just before Stop, read the epoch just after it, and got the lock after Stop had drawn the run."""
+    lab = labstate.LabState()
+    run = labstate.start_run(lab, PROMPT_A, FP32_DYNAMIC)
+    lab.stop(clicked_at=200.0)  # Stop at page time 200 ...
+    epoch = lab.epoch  # ... and the Step clicked at 100 reads the epoch after it
+    assert labstate.step_run(lab, run, epoch, clicked_at=100.0) is None and not run.session.records
+    assert labstate.step_run(lab, run, epoch, clicked_at=300.0) is not None  # clicked after Stop: it steps
+
+
 # -- issue 14: first run, status, help, export, numbering --------------------------------------------------
 def test_defaults_are_the_setting_that_wins_on_a_cpu():
     from core.model import BF16_MIN_SPEEDUP, default_precision, precision_choice
