@@ -374,17 +374,22 @@ class LeanLlama:
         past = cache.get_seq_length()
         if isinstance(cache, StaticCache):
             cache.reserve(n)
-        mask = None
-        if n > 1:
-            inner = tree_mask.to(self.device) if tree_mask is not None else torch.ones(
-                n, n, dtype=torch.bool, device=self.device).tril_()  # [n, n]
-            visible = torch.ones(n, past + n, dtype=torch.bool, device=self.device)  # [n, past+n]
-            visible[:, past:] = inner
-            group = self.num_heads // self.kv_heads
-            mask = visible.repeat(group, 1)[None, None]  # [1, 1, group*n, past+n] rows follow the folded query
+        mask = self.attention_mask(n, past, tree_mask)
         hidden = self._layers(input_ids[None].to(self.device), position_ids[None].to(self.device), cache, mask)
         cache.advance(n)
         return hidden[0]  # [n, H]
+
+    def attention_mask(self, n: int, past: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """What n new tokens after `past` cached ones see, as `_layers` takes it: every cached position,
+        and among the new ones `tree_mask` (bool [n, n]) or causal order; None for one token."""
+        if n == 1:
+            return None
+        inner = tree_mask.to(self.device) if tree_mask is not None else torch.ones(
+            n, n, dtype=torch.bool, device=self.device).tril_()  # [n, n]
+        visible = torch.ones(n, past + n, dtype=torch.bool, device=self.device)  # [n, past+n]
+        visible[:, past:] = inner
+        group = self.num_heads // self.kv_heads
+        return visible.repeat(group, 1)[None, None]  # [1, 1, group*n, past+n] rows follow the folded query
 
     @torch.inference_mode()
     def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:

@@ -12,23 +12,13 @@ the largest difference of the hidden states from the eager forward.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from core.machine import cpu_name
 from core.model import ModelConfig, load_base_model
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+from forward_profile import median_ms  # scripts/ is on the path when a script runs
 
 
 def _step(layers, lean, cache, context: int, size: int) -> torch.Tensor:
@@ -36,12 +26,7 @@ def _step(layers, lean, cache, context: int, size: int) -> torch.Tensor:
     cache cropped back, so every call measures the same work."""
     ids = (torch.arange(size) + 2000)[None]  # [1, n]
     positions = (torch.arange(size) + context)[None]  # [1, n]
-    mask = None
-    if size > 1:
-        visible = torch.ones(size, context + size, dtype=torch.bool)  # [n, past+n]
-        visible[:, context:] = torch.ones(size, size, dtype=torch.bool).tril_()
-        group = lean.num_heads // lean.kv_heads
-        mask = visible.repeat(group, 1)[None, None]  # [1, 1, group*n, past+n]
+    mask = lean.attention_mask(size, context, None)  # causal among the new tokens
     cache.reserve(size)
     hidden = layers(ids, positions, cache, mask)  # [1, n, H]
     cache.crop(context)
@@ -56,25 +41,21 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
-    print(f"CPU: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}")
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}")
     base = load_base_model(ModelConfig(dtype=args.dtype, device="cpu", engine="lean"))
     lean = base.engine
     cache = lean.new_cache(args.context + max(args.sizes) + 8)
-    prompt = (torch.arange(args.context) + 1000)[None]  # [1, context]
-    lean._layers(prompt, torch.arange(args.context)[None], cache, None)
-    cache.advance(args.context)
+    lean.forward(torch.arange(args.context) + 1000, torch.arange(args.context), cache)  # a causal prefill
 
     chosen = {id(m): dict(m.kernels) for m in lean.matmuls()}
     results = {}
     for size in args.sizes:
-        results[(size, "eager, chosen kernels")] = _median_ms(
+        results[(size, "eager, chosen kernels")] = median_ms(
             lambda: _step(lean._layers, lean, cache, args.context, size), args.repeats)
     for matmul in lean.matmuls():
         matmul.kernels = {}  # every projection on F.linear
     for size in args.sizes:
-        results[(size, "eager, F.linear")] = _median_ms(
+        results[(size, "eager, F.linear")] = median_ms(
             lambda: _step(lean._layers, lean, cache, args.context, size), args.repeats)
 
     compiled = torch.compile(lean._layers, dynamic=True)
@@ -84,7 +65,7 @@ def main() -> None:
         first = _step(compiled, lean, cache, args.context, size)
         compile_s = time.perf_counter() - start
         gap = (first - eager).abs().max().item()
-        results[(size, "compiled, F.linear")] = _median_ms(
+        results[(size, "compiled, F.linear")] = median_ms(
             lambda: _step(compiled, lean, cache, args.context, size), args.repeats)
         print(f"n={size}: first compiled call {compile_s:.1f} s, max |hidden - eager| {gap:.2e}")
     for matmul in lean.matmuls():

@@ -13,12 +13,12 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from core.kvcache import truncate
+from core.machine import cpu_name
 from core.model import ModelConfig, load_base_model
 from core.tree import CandidateTree, chain_tree
 from core.verify import forward_tokens, verify_tree
@@ -52,10 +52,10 @@ def weight_read_ms(base, repeats: int) -> float:
     """Median ms to stream every weight a forward reads once (a sum over each tensor): the memory floor."""
     tensors = [p for name, p in base.model.named_parameters() if "embed_tokens" not in name]
     tensors.append(base.lm_head.weight)  # tied: read again as the projection
-    return _median_ms(lambda: [tensor.sum() for tensor in tensors], repeats)
+    return median_ms(lambda: [tensor.sum() for tensor in tensors], repeats)
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
     """Median wall ms of `repeats` calls of `fn` after one warm-up call."""
     fn()
     times = []
@@ -78,7 +78,7 @@ def batched_step_ms(base, slots: int, context: int, repeats: int) -> float | Non
         base.engine.project(base.engine.forward_slots(ids, cache))
 
     cache.lengths = [context] * slots
-    return _median_ms(step, repeats)
+    return median_ms(step, repeats)
 
 
 @torch.inference_mode()
@@ -88,7 +88,7 @@ def measure(dtype: str, engine: str, sizes: list[int], context: int, repeats: in
     prompt = torch.arange(1000, 1000 + context) % base.model.config.vocab_size
     forward_tokens(base, cache, prompt, torch.arange(context))
     row = {"dtype": dtype, "engine": base.engine_name, "weights_ms": weight_read_ms(base, repeats),
-           "ms": {size: _median_ms(lambda: _verify_once(base, cache, context, size), repeats) for size in sizes},
+           "ms": {size: median_ms(lambda: _verify_once(base, cache, context, size), repeats) for size in sizes},
            "batch48_ms": batched_step_ms(base, 48, context, repeats)}
     if groups:
         for size in (sizes[0], sizes[-1]):
@@ -129,9 +129,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-groups", action="store_true", help="skip the per-operation profile")
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
-    print(f"CPU: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     rows = [measure(dtype, engine, args.sizes, args.context, args.repeats, not args.no_groups)
             for dtype in args.dtype for engine in args.engine]
     print_table(rows, args.sizes, args.context)
