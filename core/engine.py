@@ -110,8 +110,11 @@ class Matmul:
             self.packed = self.weight.to_mkldnn()
 
     def use_kernels(self, kernels: dict[int, str]) -> None:
-        """Take `kernels` (row bucket -> kernel name); the mkldnn copy is kept only where one uses it."""
-        self.kernels.update(kernels)
+        """Take `kernels` (row bucket -> kernel name); the mkldnn copy is kept only where one uses it.
+        A split GEMV where it is unsafe (`splits_safely`, e.g. from an older cached choice) runs as linear."""
+        safe = splits_safely(self.weight)
+        self.kernels.update({bucket: "linear" if name == "split" and not safe else name
+                             for bucket, name in kernels.items()})
         if "mkldnn" in self.kernels.values():
             self.pack()
         else:
@@ -510,8 +513,18 @@ def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats:
         for m in matmuls:
             m.pack()
     return {bucket: {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats)
-                     for kernel in candidates + (["split"] if rows == 1 and weight.device.type == "cpu" else [])}
+                     for kernel in candidates + (["split"] if rows == 1 and splits_safely(weight) else [])}
             for bucket, rows in rows_by_bucket.items()}
+
+
+def splits_safely(weight: torch.Tensor) -> bool:
+    """Whether the split GEMV may run on `weight`: only fp32 on a CPU. Why: a bf16 `torch.mv` runs
+    a parallel region, and on the worker thread that opens a second OpenMP thread team; once the
+    process holds more OpenMP threads than cores, libgomp stops spinning between parallel regions
+    and every later forward pays a futex wake per operator (measured on a 2-core AMD EPYC with
+    AVX512-BF16: a plain fp32 step 38 ms before one bf16 GEMV on another thread, 65-70 ms after,
+    for the rest of the process). An fp32 `torch.mv` runs on the calling thread alone."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def fastest(times: dict[int, dict[str, float]]) -> dict[int, str]:

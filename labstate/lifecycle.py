@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 from core.decoder import start_session
 from core.records import StepRecord
 from core.strategy import AUTOREGRESSIVE
+from core.tensor_thread import run_on_tensor_thread
 from labstate.errors import LabInputError, LabNotice, SessionExpired
 from labstate.limits import STEP_LOCK_TIMEOUT_S
 from labstate.plain import ar_baseline, compute_check, greedy_check, speed_vs_plain
@@ -44,8 +45,8 @@ def start_prepared(lab: LabState, prepared: Prepared) -> Run:
     acquire(lab)
     try:
         rival = rt.rival_for(config.strategy) if config.compare_rival else None
-        session = start_session(rt.base, rt.heads_for(config.strategy), prepared.prompt_ids, config,
-                                profile if config.auto_budget else None, rival=rival)
+        session = run_on_tensor_thread(start_session, rt.base, rt.heads_for(config.strategy), prepared.prompt_ids,
+                                       config, profile if config.auto_budget else None, rival=rival)
         precision = prepared.settings.precision
         if precision not in lab.forward_seconds:
             lab.forward_seconds[precision] = measure_forward_seconds(rt.base, session.prompt_ids)
@@ -89,7 +90,7 @@ def step_run(lab: LabState, run: Run, epoch: int | None = None, clicked_at: floa
             return None
         if run.session.finished:  # another request finished it while this one waited
             raise _finished_notice(run)
-        return run.session.step()  # a finished session frees its own KV cache
+        return run_on_tensor_thread(run.session.step)  # a finished session frees its own KV cache
     finally:
         lab.lock.release()
 

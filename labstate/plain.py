@@ -12,6 +12,7 @@ from core.decoder import DecodeConfig, decode
 from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
 from core.budget.cost_profile import CostProfile
 from core.strategy import AUTOREGRESSIVE
+from core.tensor_thread import run_on_tensor_thread
 from labstate.limits import MAX_REFERENCES
 from labstate.shared import _PROFILES
 from viz.facts import ArBaseline
@@ -62,7 +63,7 @@ def reference(lab: LabState, run: Run) -> Reference:
     if key not in lab.references:
         config = DecodeConfig(strategy=AUTOREGRESSIVE, max_new_tokens=run.settings.max_new_tokens,
                               record_texts=False)
-        plain = decode(run.runtime.base, None, run.session.prompt_ids, config)
+        plain = run_on_tensor_thread(decode, run.runtime.base, None, run.session.prompt_ids, config)
         lab.references[key] = Reference(output_ids=list(plain.output_ids),
                                         step_seconds=[r.times.total for r in plain.records],
                                         margins=plain_margins(plain))

@@ -12,12 +12,14 @@ from typing import Callable, Mapping
 from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HYDRA,
                            MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, StrategyError, StrategySpec, parse_strategy)
 from core.tree import fixed_tree, load_named_trees
+from core.tensor_thread import tensor_work
 from labstate.errors import LabInputError, show
 from labstate.limits import MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DEPTH, MAX_TEMPERATURE
 
 PRECISIONS = ("fp32", "bf16")
 
 
+@tensor_work  # it may measure both precisions (core.tensor_thread)
 def machine_precision() -> str:
     """The precision a run starts in: fp32 unless bf16 measured clearly faster here (measured once, cached)."""
     from core.model import default_precision  # measured on first use: replay never loads torch for it

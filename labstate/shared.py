@@ -19,6 +19,7 @@ from core.strategy import HYDRA
 from core.kvcache import truncate
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
 from core.budget.cost_profile import CostProfile, verify_profile
+from core.tensor_thread import tensor_work
 from core.verify import forward_tokens
 from labstate.settings import PRECISIONS, machine_precision
 
@@ -84,6 +85,7 @@ class Runtime:
 _LOADED: set[str] = set()  # precisions whose model is loaded (warm_up says so before it loads one)
 
 
+@tensor_work  # loading runs parallel operators: on the thread every later forward runs on
 @functools.lru_cache(maxsize=len(PRECISIONS))
 def runtime(precision: str) -> Runtime:
     """Load (once) the base model in `precision` and heads of the same dtype and device."""
@@ -112,6 +114,7 @@ _PROFILES: dict[str, CostProfile] = {}  # model dtype -> verify-cost profile (te
 _PROFILE_LOCK = threading.Lock()
 
 
+@tensor_work
 def cost_profile(rt: Runtime) -> CostProfile:
     """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk."""
     key = str(rt.base.dtype)
@@ -121,6 +124,7 @@ def cost_profile(rt: Runtime) -> CostProfile:
         return _PROFILES[key]
 
 
+@tensor_work
 @torch.inference_mode()
 def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int = 3) -> float:
     """Median wall time of one single-token forward over the prompt's cache (the cost of a plain step)."""
@@ -138,6 +142,7 @@ def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int
     return statistics.median(times)
 
 
+@tensor_work  # it may load the model and measure the precisions
 def header_line() -> str:
     """The page's header: the model, heads, forward and default precision (loads the default model once)."""
     rt = runtime(machine_precision())

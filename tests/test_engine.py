@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from offline.datagen import ContinuousBatcher
 from core.decoder import DecodeConfig, decode, start_session
-from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, StaticCache
+from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, Matmul, StaticCache, time_kernels
 from core.kvcache import keep_accepted, truncate
 from core.model import ModelConfig
 from core.tree import dynamic_tree
@@ -227,3 +227,16 @@ def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     session = decode(base, heads, PROMPT, DecodeConfig(strategy=strategy, budget=15, max_new_tokens=40))
     assert session.output_ids == greedy_reference(base, PROMPT, 40)
     assert any(len(r.outcome.accepted_nodes) > 1 for r in session.records) or family == "hydra"
+
+
+def test_the_split_gemv_is_never_timed_or_used_for_bf16_weights():
+    """A bf16 GEMV on the split's worker thread opens a second OpenMP team, after which every
+    forward of the process ran about 1.8x slower (core.engine.splits_safely)."""
+    bf16 = Matmul(torch.randn(64, 16).bfloat16(), None)
+    assert "split" not in time_kernels([bf16], {1: 1}, repeats=1)[1]
+    bf16.use_kernels({1: "split"})
+    assert bf16.kernels[1] == "linear"
+    fp32 = Matmul(torch.randn(64, 16), None)
+    assert "split" in time_kernels([fp32], {1: 1}, repeats=1)[1]
+    fp32.use_kernels({1: "split"})
+    assert fp32.kernels[1] == "split"

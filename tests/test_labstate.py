@@ -2,6 +2,8 @@
 whole lifecycle on a tiny model standing in for the shipped one."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import labstate
@@ -142,3 +144,31 @@ def test_a_stop_during_the_step_in_flight_leaves_the_run_stopped_not_paused(tiny
     lab.run.mode = labstate.RUNNING  # a Run loop drives the run: a Step beside it keeps it running
     labstate.step_once(lab, PROMPT, settings)
     assert len(session.records) == 3 and lab.run.state == "running"
+
+
+def test_the_prefill_and_every_step_run_on_the_tensor_thread(tiny_runtime, monkeypatch):
+    """Gradio calls from a pool of threads; a forward on a second thread opened a second OpenMP team
+    and made every forward of the process slower (core.tensor_thread)."""
+    import core.decoder
+    from core.tensor_thread import THREAD_NAME
+    seen = []
+    original_step, original_prefill = core.decoder.DecodeSession.step, core.decoder.DecodeSession._prefill
+
+    def step(session):
+        seen.append(("step", threading.current_thread().name))
+        return original_step(session)
+
+    def prefill(session):
+        seen.append(("prefill", threading.current_thread().name))
+        return original_prefill(session)
+
+    monkeypatch.setattr(core.decoder.DecodeSession, "step", step)
+    monkeypatch.setattr(core.decoder.DecodeSession, "_prefill", prefill)
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    caller = threading.Thread(target=lambda: labstate.step_once(lab, PROMPT, settings))
+    caller.start()
+    caller.join()
+    labstate.step_once(lab, PROMPT, settings)
+    assert [kind for kind, _ in seen] == ["prefill", "step", "step"]
+    assert all(name.startswith(THREAD_NAME) for _, name in seen)
