@@ -10,7 +10,7 @@ bash scripts/setup.sh
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 PY=.venv/bin/python
 OUT=assets/results
-ROUND=${ROUND:-round13}
+ROUND=${ROUND:-round14}
 STRIDE=${STRIDE:-8}
 SETS=${SETS:-"mtbench specmix collapse"}
 # round 8 measured the engine before/after (ar@hf, dynamic:auto@hf); STRATEGIES=... adds them back
