@@ -103,9 +103,9 @@ def simulate(base: BaseModel, heads: MedusaHeads, rows: list[dict], specs: list[
     """Mean accepted tokens per step of each tree over greedy answers `rows` (prompt_ids, answer_ids)."""
     width = max([top_m] + [s.fixed.max_rank + 1 for s in specs if s.fixed is not None])
     totals = {s.label: [0, 0] for s in specs}
-    draft = None if heads.config.own_lm_head else heads.draft_projection(base.lm_head)
+    drafting, draft, _ = heads_for_drafting(heads, base)  # as the decoder drafts (bf16 where bf16 is fast)
     for row in tqdm(rows, desc="simulate"):
-        probs, ids = head_proposals(base, heads, row["prompt_ids"], row["answer_ids"], width, draft)
+        probs, ids = head_proposals(base, drafting, row["prompt_ids"], row["answer_ids"], width, draft)
         for spec in specs:
             steps, emitted = simulate_answer(probs, ids, row["answer_ids"], spec, top_m)
             totals[spec.label][0] += steps
