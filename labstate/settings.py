@@ -5,6 +5,7 @@ parameters and its panel from it, and `parse_settings` reads raw values (any JSO
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -19,7 +20,8 @@ from labstate.limits import MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DE
 PRECISIONS = ("fp32", "bf16")
 
 
-@tensor_work  # it may measure both precisions (core.tensor_thread)
+@functools.lru_cache(maxsize=1)  # later calls answer at once, without waiting for the tensor thread's queue
+@tensor_work  # the first call measures both precisions (core.tensor_thread)
 def machine_precision() -> str:
     """The precision a run starts in: fp32 unless bf16 measured clearly faster here (measured once, cached)."""
     from core.model import default_precision  # measured on first use: replay never loads torch for it

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -82,27 +81,34 @@ class Runtime:
         return table
 
 
-_LOADED: set[str] = set()  # precisions whose model is loaded (warm_up says so before it loads one)
+_RUNTIMES: dict[str, Runtime] = {}  # precision -> its loaded runtime (warm_up says so before it loads one)
+
+
+def runtime(precision: str) -> Runtime:
+    """The base model in `precision` and heads of the same dtype and device, loaded once
+    (a loaded one is returned at once, without waiting for the tensor thread's queue)."""
+    loaded = _RUNTIMES.get(precision)
+    return loaded if loaded is not None else _load_runtime(precision)
 
 
 @tensor_work  # loading runs parallel operators: on the thread every later forward runs on
-@functools.lru_cache(maxsize=len(PRECISIONS))
-def runtime(precision: str) -> Runtime:
-    """Load (once) the base model in `precision` and heads of the same dtype and device."""
-    base = load_base_model(ModelConfig(dtype=precision))
-    config = base.model.config
-    heads, description = default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)
-    hydra = default_hydra_heads(dtype=base.dtype, device=base.device)
-    if hydra is not None:
-        description += f"; Hydra heads from assets/hydra ({hydra.config.num_heads} heads)"
-    _LOADED.add(precision)
-    return Runtime(base=base, heads=heads, heads_description=description, hydra=hydra)
+def _load_runtime(precision: str) -> Runtime:
+    if precision not in _RUNTIMES:  # two first calls queue one after the other: the second finds it loaded
+        base = load_base_model(ModelConfig(dtype=precision))
+        config = base.model.config
+        heads, description = default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype,
+                                            device=base.device)
+        hydra = default_hydra_heads(dtype=base.dtype, device=base.device)
+        if hydra is not None:
+            description += f"; Hydra heads from assets/hydra ({hydra.config.num_heads} heads)"
+        _RUNTIMES[precision] = Runtime(base=base, heads=heads, heads_description=description, hydra=hydra)
+    return _RUNTIMES[precision]
 
 
 def warm_up(precision: str, tree: bool, notify: Callable[[str], None]) -> None:
     """Load what a first Start needs, saying what it does first: the model in `precision` (once per
     precision) and, for tree strategies, the verify-cost profile (measured once, then cached on disk)."""
-    if precision not in _LOADED:
+    if precision not in _RUNTIMES:
         notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
     rt = runtime(precision)
     if tree and str(rt.base.dtype) not in _PROFILES:
@@ -111,17 +117,20 @@ def warm_up(precision: str, tree: bool, notify: Callable[[str], None]) -> None:
 
 
 _PROFILES: dict[str, CostProfile] = {}  # model dtype -> verify-cost profile (tests may seed it)
-_PROFILE_LOCK = threading.Lock()
 
 
-@tensor_work
 def cost_profile(rt: Runtime) -> CostProfile:
     """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk."""
+    profile = _PROFILES.get(str(rt.base.dtype))
+    return profile if profile is not None else _measure_profile(rt)
+
+
+@tensor_work  # one job at a time there: two users starting at once measure it once
+def _measure_profile(rt: Runtime) -> CostProfile:
     key = str(rt.base.dtype)
-    with _PROFILE_LOCK:  # two users starting at once measure it once
-        if key not in _PROFILES:
-            _PROFILES[key] = verify_profile(rt.base)
-        return _PROFILES[key]
+    if key not in _PROFILES:
+        _PROFILES[key] = verify_profile(rt.base)
+    return _PROFILES[key]
 
 
 @tensor_work
@@ -142,7 +151,6 @@ def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int
     return statistics.median(times)
 
 
-@tensor_work  # it may load the model and measure the precisions
 def header_line() -> str:
     """The page's header: the model, heads, forward and default precision (loads the default model once)."""
     rt = runtime(machine_precision())
