@@ -18,6 +18,7 @@ so training needs no second forward over the data.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import time
@@ -73,6 +74,8 @@ class GenConfig:
     slots: int = 64  # rows decoded together (continuous batching)
     dtype: str = "fp32"
     seed: int = 0
+    families: tuple[str, ...] = ()  # source prefixes to answer (all when empty)
+    skip_answered: tuple[Path, ...] = ()  # answer files (.jsonl or .jsonl.gz) whose prompt ids are done
 
 
 def load_train_prompts(count: int, seed: int) -> list[dict]:
@@ -259,12 +262,17 @@ def write_self_prompts(base: BaseModel, config: GenConfig) -> list[dict]:
             ]
             for (topic, task), ids in zip(chunk, generate_batch(base, asks, 48, sample=True)):
                 text = base.tokenizer.decode(ids, skip_special_tokens=True).strip().strip('"').strip()
-                row = {"id": f"self-{len(done)}", "prompt": text, "source": f"self/{topic}/{task}"}
+                row = {"id": _self_prompt_id(config.seed, len(done)), "prompt": text, "source": f"self/{topic}/{task}"}
                 done.append(row)
                 sink.write(json.dumps(row) + "\n")
             sink.flush()
             bar.update(len(chunk))
     return [row for row in done if len(row["prompt"]) >= 15]
+
+
+def _self_prompt_id(seed: int, index: int) -> str:
+    """Seed 0 keeps the ids of the shipped self-prompts; another seed's round gets ids of its own."""
+    return f"self-{index}" if seed == 0 else f"self-s{seed}-{index}"
 
 
 def read_rows(path: Path, repair: bool = False) -> list[dict]:
@@ -302,6 +310,22 @@ def _save_shard(folder: Path, rows: list[dict], features: list[AnswerFeatures]) 
     partial.replace(folder / f"{index:06d}.pt")
 
 
+def answered_ids(paths: tuple[Path, ...]) -> set[str]:
+    """Prompt ids already answered in other files (a committed `.jsonl.gz` or a `.jsonl`)."""
+    ids: set[str] = set()
+    for path in paths:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        ids.update(json.loads(line)["id"] for line in text.split("\n") if line.strip())
+    return ids
+
+
+def wanted_prompts(prompts: list[dict], config: GenConfig) -> list[dict]:
+    """The prompts of the chosen source families that no other answer file holds yet."""
+    skip = answered_ids(config.skip_answered)
+    return [p for p in prompts if p["id"] not in skip
+            and (not config.families or p["source"].startswith(config.families))]
+
+
 def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> None:
     """Greedy answers appended to `config.out`, their features to `features_dir(config.out)`.
 
@@ -309,7 +333,7 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     before its rows, so every row written has its features; a shard whose rows never made it
     (killed in between) is ignored by `load_captured`, and those prompts are answered again."""
     done = {row["id"] for row in read_rows(config.out, repair=True)}
-    todo = [p for p in prompts if p["id"] not in done]
+    todo = [p for p in wanted_prompts(prompts, config) if p["id"] not in done]
     todo = [dict(p, ids=base.chat_ids(p["prompt"])) for p in todo]
     todo = [p for p in todo if len(p["ids"]) <= config.max_prompt_tokens]
     # shuffled, then sorted by length within windows: rows decoded together have similar lengths
@@ -379,10 +403,14 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                         help="default: the faster precision on this CPU (core.model.default_precision)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", default="", help="comma-separated source prefixes to answer, e.g. gpteacher,self/")
+    parser.add_argument("--skip-answered", default="", help="comma-separated answer files whose prompts are done")
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
                        sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, slots=args.slots,
-                       dtype=args.dtype or default_precision(), seed=args.seed)
+                       dtype=args.dtype or default_precision(), seed=args.seed,
+                       families=tuple(f for f in args.families.split(",") if f),
+                       skip_answered=tuple(Path(f) for f in args.skip_answered.split(",") if f))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     base = load_base_model(ModelConfig(dtype=config.dtype))
     prompts = load_train_prompts(config.train_prompts, config.seed) if config.train_prompts else []

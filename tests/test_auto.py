@@ -125,13 +125,16 @@ def test_the_old_controller_fails_that_case():
     import core.budget.controller as auto_module
     wrong = CostProfile(sizes=[1, 2, 64], ms=[34.0, 34.0, 60.0])
     real = lambda tokens: 20.0 if tokens == 1 else 34.0 + 0.4 * (tokens - 2)  # noqa: E731
-    original = (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor)
+    original = (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor,
+                auto_module.AutoBudget.within_loss_budget)
     try:
         auto_module.AutoBudget.probe_plain = lambda self: False
         auto_module.CostCorrection.factor = lambda self, tokens: 1.0
+        auto_module.AutoBudget.within_loss_budget = lambda self, nodes=1, context=None: True
         tokens, times = _simulate_controller(wrong, real, accept_chance=0.3)
     finally:
-        auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor = original
+        (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor,
+         auto_module.AutoBudget.within_loss_budget) = original
     assert sum(tokens[20:]) / sum(times[20:]) < 0.9 / 20.0
 
 
@@ -192,3 +195,49 @@ def test_root_only_steps_count_in_no_measured_rate():
     for index in range(30, 45):
         auto.observe(replace(record(tree, [tree.tree.paths[0]]), index=index))
     assert auto.measured_rate(heads_used=True) == pytest.approx(2 / 20.0)
+
+
+def _without_loss_budget(monkeypatch) -> None:
+    monkeypatch.setattr(AutoBudget, "within_loss_budget", lambda self, nodes=1, context=None: True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_heads_that_never_guess_right_cost_a_short_run_little(seed):
+    """A 40-step answer the heads cannot guess (random letters) while their scores stay
+    confident: a failed tree step costs 1.3x a plain one here. The whole run, first step
+    included, stays >= 0.95x plain decoding (the round-14 controller: 0.75-0.83x on such prompts)."""
+    real = lambda tokens: 20.0 if tokens == 1 else 24.0 + 0.4 * (tokens - 2)  # noqa: E731
+    exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 24.0, 48.8])
+    tokens, times = _simulate_controller(exact, real, accept_chance=0.0, steps=40, seed=seed)
+    assert sum(tokens) / sum(times) >= 0.95 / 20.0, 20.0 * sum(tokens) / sum(times)
+
+
+def test_without_the_loss_budget_that_run_loses(monkeypatch):
+    """The control: the rate rules alone need a dozen tree steps of evidence and lose more."""
+    _without_loss_budget(monkeypatch)
+    real = lambda tokens: 20.0 if tokens == 1 else 24.0 + 0.4 * (tokens - 2)  # noqa: E731
+    exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 24.0, 48.8])
+    tokens, times = _simulate_controller(exact, real, accept_chance=0.0, steps=40)
+    assert sum(tokens) / sum(times) < 0.93 / 20.0, 20.0 * sum(tokens) / sum(times)
+
+
+def test_trees_that_only_break_even_cost_little_over_a_long_run():
+    """Heads right 30 % of the time at each depth on a profile that underrates trees (real cost
+    1.5x plain): the run must end within 3 % of plain decoding over 128 steps."""
+    real = lambda tokens: 20.0 if tokens == 1 else 28.0 + 0.4 * (tokens - 2)  # noqa: E731
+    optimistic = CostProfile(sizes=[1, 2, 64], ms=[20.0, 21.0, 40.0])
+    tokens, times = _simulate_controller(optimistic, real, accept_chance=0.3, steps=128)
+    assert sum(tokens) / sum(times) >= 0.97 / 20.0, 20.0 * sum(tokens) / sum(times)
+
+
+def test_loss_ledger_books_gains_and_losses():
+    from core.budget.controller import LEDGER_START_STEPS, LOSS_SHARE, LossLedger
+    ledger = LossLedger()
+    ledger.charge(step_ms=30.0, tokens=1, ms_per_token=20.0)  # a failed tree: 10 ms lost
+    ledger.charge(step_ms=30.0, tokens=3, ms_per_token=20.0)  # a paying tree: 30 ms gained
+    assert ledger.loss_ms == pytest.approx(-20.0)
+    ledger.elapsed_ms = 1000.0
+    assert ledger.budget_ms(20.0) == pytest.approx(LEDGER_START_STEPS * 20.0 + LOSS_SHARE * 1000.0)
+    assert ledger.room_ms(20.0) == pytest.approx(ledger.budget_ms(20.0) + 20.0)
+    ledger.charge(step_ms=100.0, tokens=1, ms_per_token=20.0)
+    assert ledger.room_ms(20.0) < 0

@@ -123,3 +123,19 @@ def test_a_reader_never_cuts_the_file(tmp_path):
     assert out.read_text().endswith('"ans')  # a writer may still be appending
     datagen.read_rows(out, repair=True)
     assert out.read_text().endswith("\n")
+
+
+def test_answers_committed_elsewhere_and_other_families_are_skipped(base, tmp_path):
+    """A licence-clean round answers only the chosen source families, never a prompt that a
+    committed answer file (gzip) already holds, and gives another seed's self-prompts ids of
+    their own."""
+    import gzip
+    committed = tmp_path / "committed.jsonl.gz"
+    committed.write_bytes(gzip.compress(json.dumps({"id": "p1", "answer_ids": [1]}).encode() + b"\n"))
+    prompts = PROMPTS + [{"id": "q0", "prompt": "a code question", "source": "other/code"}]
+    config = GenConfig(out=tmp_path / "gen.jsonl", max_new_tokens=4, batch_size=3,
+                       families=("test/",), skip_answered=(committed,))
+    assert {p["id"] for p in datagen.wanted_prompts(prompts, config)} == {p["id"] for p in PROMPTS} - {"p1"}
+    answer_prompts(base, prompts, config)
+    assert {row["id"] for row in datagen.read_rows(config.out)} == {p["id"] for p in PROMPTS} - {"p1"}
+    assert datagen._self_prompt_id(0, 3) == "self-3" and datagen._self_prompt_id(1, 3) == "self-s1-3"

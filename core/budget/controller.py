@@ -20,6 +20,16 @@ that verified the root alone counts in no measured rate; and once no tree ran fo
 back-off, one step verifies the best node anyway ("exploring"), so the heads' evidence can change.
 Explores that keep failing come rarer (up to MAX_EXPLORE_AFTER steps apart). `state` names what
 the controller does each step; the decoder keeps it in the step record.
+
+A loss budget bounds what the heads may cost a run (`LossLedger`): every step that ran the heads
+is charged its measured time minus what its tokens would have cost at the rate of the run's steps
+without the heads (a paying tree books a gain). The budget is LEDGER_START_STEPS plain steps plus
+LOSS_SHARE of the run's time so far, and a tree is only verified if it stays within the budget
+when it accepts nothing: the tree is cut to the largest prefix whose cost beyond a plain step fits
+the room left, and the heads are skipped when not even one node fits. So trees grow as they earn
+(gains bank), a run the heads cannot guess stays within about LOSS_SHARE of plain decoding however
+short it is (the rate rules above need a dozen tree steps of evidence first), and the budget's
+growth spaces the next tries.
 """
 from __future__ import annotations
 
@@ -46,6 +56,29 @@ CORRECTION_STEPS = 16  # measured/predicted ratios a cost correction takes the m
 
 MIN_CORRECTION_SAMPLES = 3  # fewer measurements of a class: trust the profile (one slow step proves little)
 STALE_TREE_STEPS = 2 * PROBE_EVERY  # tree measurements older than this are forgotten
+LEDGER_START_STEPS = 0.5  # the heads may lose this many plain steps' time before any evidence ...
+LOSS_SHARE = 0.015  # ... plus this share of the run's time so far
+
+
+@dataclass
+class LossLedger:
+    """What the heads cost this run beyond plain decoding, against a budget that grows with the run.
+
+    `charge` books one heads step: its time minus its tokens at the no-heads rate (negative when
+    the tree paid). `elapsed_ms` counts every step. Pure bookkeeping: `AutoBudget` decides."""
+
+    loss_ms: float = 0.0
+    elapsed_ms: float = 0.0
+
+    def charge(self, step_ms: float, tokens: int, ms_per_token: float) -> None:
+        self.loss_ms += step_ms - tokens * ms_per_token
+
+    def budget_ms(self, plain_step_ms: float) -> float:
+        return LEDGER_START_STEPS * plain_step_ms + LOSS_SHARE * self.elapsed_ms
+
+    def room_ms(self, plain_step_ms: float) -> float:
+        """What the heads may still lose before they exceed the budget."""
+        return self.budget_ms(plain_step_ms) - self.loss_ms
 
 
 @dataclass
@@ -105,6 +138,7 @@ class AutoBudget:
     exploring: bool = False  # this step verifies a small tree even if none looks worth it (stale evidence)
     last_tree_step: int = 0  # index of the last step that verified a head tree
     explore_after: int = MAX_BACKOFF  # steps without a tree before exploring; doubles while explores fail
+    ledger: LossLedger = field(default_factory=LossLedger)  # what the heads cost beyond plain decoding
 
     @property
     def state(self) -> str:
@@ -113,7 +147,7 @@ class AutoBudget:
         again after a back-off) or normal."""
         if self.probe_plain():
             return "probing"
-        if self.steps < self.plain_until:
+        if self.steps < self.plain_until or not self.within_loss_budget():
             return "backing off"
         if self.backoff and self.steps == self.plain_until and self.steps - self.last_tree_step >= self.explore_after:
             return "exploring"  # no tree for a whole back-off: the heads' evidence is stale
@@ -125,8 +159,36 @@ class AutoBudget:
         return CorrectedProfile(self.profile, self.correction)
 
     def use_heads(self) -> bool:
-        """False while backing off (the heads cannot pay at the moment) or while probing."""
-        return self.steps >= self.plain_until and not self.probe_plain()
+        """False while backing off (the heads cannot pay at the moment, or they spent the run's
+        loss budget) or while probing."""
+        return self.steps >= self.plain_until and not self.probe_plain() and self.within_loss_budget()
+
+    def within_loss_budget(self, nodes: int = 1, context: int | None = None) -> bool:
+        """True when a heads step verifying `nodes` nodes stays within the run's loss budget even
+        if it accepts nothing."""
+        context = context if context is not None else (self.records[-1].context_length if self.records else None)
+        plain_ms = self._plain_ms_per_token(context)
+        worst = self.costs.cost(nodes + 1, context) + self.overhead_ms(heads_used=True) - plain_ms
+        return worst <= self.ledger.room_ms(plain_ms)
+
+    def affordable_nodes(self, most: int, context: int) -> int:
+        """The largest tree size up to `most` that `within_loss_budget` allows (0: the root alone)."""
+        low, high = 0, most  # cost grows with size: bisect
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.within_loss_budget(middle, context):
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _plain_ms_per_token(self, context: int | None = None) -> float:
+        """What a token costs without the heads: measured over this run's recent steps without
+        them once MIN_CORRECTION_SAMPLES ran, else the corrected profile's plain step."""
+        recent = [r for r in self.records if not _used_heads(r)][-RATE_STEPS:]
+        if len(recent) >= MIN_CORRECTION_SAMPLES:
+            return 1000 * sum(r.times.total for r in recent) / sum(len(r.new_tokens) for r in recent)
+        return 1.0 / plain_rate(self.costs, self.overhead_ms(heads_used=False), context)
 
     def probe_plain(self) -> bool:
         """True when this step must be plain (no heads, no chains) to measure plain speed: every
@@ -151,19 +213,23 @@ class AutoBudget:
         """Nodes to keep (a prefix of the best-first order) on top of a `context`-token cache;
         updates the back-off when the heads ran."""
         tree = draft.tree
-        size, rate = best_prefix(self.expected(draft), tree.depths[1:], self.costs,
+        most = self.affordable_nodes(tree.num_nodes, context) if heads_used else tree.num_nodes
+        size, rate = best_prefix(self.expected(draft)[:most], tree.depths[1:most + 1], self.costs,
                                  self.overhead_ms(heads_used), context=context)
         exploring = self.exploring = heads_used and size == 0 and self.state == "exploring"
         if heads_used:
             self._update_backoff(size, rate, context)
         if exploring:  # without a verified tree the heads' evidence could never change
-            size = min(EXPLORE_NODES, tree.num_nodes)  # once per back-off: the back-off itself goes on
+            size = min(EXPLORE_NODES, most)  # once per back-off: the back-off itself goes on
         return size
 
     def observe(self, record: StepRecord) -> None:
         """Learn from one finished step (of any kind)."""
         if _used_heads(record):
             self._calibrate(record)
+            self.ledger.charge(1000 * record.times.total, len(record.new_tokens),
+                               self._plain_ms_per_token(record.context_length))
+        self.ledger.elapsed_ms += 1000 * record.times.total
         if _tree_step(record):
             self.last_tree_step = self.steps
             if self.exploring and len(record.outcome.accepted_nodes) > 1:
