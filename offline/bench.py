@@ -71,6 +71,7 @@ class BenchRow:
     step_tokens: list = field(default_factory=list)
     step_verify_ms: list = field(default_factory=list)
     step_state: list = field(default_factory=list)
+    repeat_seconds: list = field(default_factory=list)  # every repeat's seconds; the row is the median one
 
 
 def read_prompts(path: Path, limit: int | None, stride: int = 1, offset: int = 0) -> list[Prompt]:
@@ -197,22 +198,36 @@ def _ratios_to_ar(rows: list[BenchRow], spec: str) -> dict:
             "by_category": by_category}
 
 
+def median_run(runs: list[tuple[BenchRow, list | None]]) -> tuple[BenchRow, list | None]:
+    """Of repeated runs of one prompt and strategy, the one of median time (the lower median for
+    an even count), with every run's seconds kept in its row: a per-prompt ratio from one run on a
+    shared 2-core machine moves by 10 % either way."""
+    ordered = sorted(runs, key=lambda run: run[0].seconds)
+    row, margins = ordered[(len(ordered) - 1) // 2]
+    return replace(row, repeat_seconds=[round(r.seconds, 4) for r, _ in runs]), margins
+
+
 def benchmark(base: BaseModel, heads: HeadSet, prompts: list[Prompt], specs: list[str], config: DecodeConfig,
               on_prompt: Callable[[list[BenchRow]], None] | None = None, *,
-              other_forwards: dict[str, BaseModel] | None = None) -> list[BenchRow]:
+              other_forwards: dict[str, BaseModel] | None = None, repeats: int = 1) -> list[BenchRow]:
     """Every strategy on every prompt, interleaved; one short warm-up per strategy first.
     `on_prompt` sees the rows so far after each prompt (the CLI saves them, so a cut-off run keeps them).
-    `other_forwards`: the same model on another forward, for specs with an `@lean` / `@hf` suffix."""
+    `other_forwards`: the same model on another forward, for specs with an `@lean` / `@hf` suffix.
+    `repeats`: runs of every strategy per prompt, interleaved; each row is the median one."""
     strategies = {spec: parse_strategy(spec, config) for spec in specs}
     bases = {spec: (other_forwards or {}).get(engine_of(spec) or "", base) for spec in specs}
     for spec, strategy in strategies.items():
         warm = strategy if isinstance(strategy, str) else replace(strategy, max_new_tokens=4)
         run_one(bases[spec], heads, prompts[0], spec, warm, 4)
     rows: list[BenchRow] = []
-    with tqdm(total=len(prompts) * len(specs), desc="bench") as bar:
+    with tqdm(total=len(prompts) * len(specs) * repeats, desc="bench") as bar:
         for prompt in prompts:
-            ran = {spec: run_one(bases[spec], heads, prompt, spec, strategies[spec], config.max_new_tokens)
-                   for spec in specs}
+            runs: dict[str, list] = {spec: [] for spec in specs}
+            for _ in range(repeats):
+                for spec in specs:
+                    runs[spec].append(run_one(bases[spec], heads, prompt, spec, strategies[spec], config.max_new_tokens))
+                    bar.update(1)
+            ran = {spec: median_run(spec_runs) for spec, spec_runs in runs.items()}
             mine = {spec: row for spec, (row, _) in ran.items()}
             reference, margins = ran.get("ar", (None, None))
             for spec, row in mine.items():
@@ -225,7 +240,6 @@ def benchmark(base: BaseModel, heads: HeadSet, prompts: list[Prompt], specs: lis
                                   first_divergence=divergence.position if divergence else None,
                                   divergence_logit_gap=divergence.logit_gap if divergence else None)
                 rows.append(row)
-                bar.update(1)
             bar.set_postfix({s: f"{r.tokens_per_s:.1f}" for s, r in mine.items()})
             if on_prompt is not None:
                 on_prompt(rows)
@@ -271,7 +285,11 @@ def main() -> None:
     parser.add_argument("--heads", type=Path, default=None, help="heads folder (default: assets/heads)")
     parser.add_argument("--hydra", type=Path, default=None, help="Hydra heads folder (default: assets/hydra)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every strategy per prompt, interleaved; each row is the median-time one")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.merge:
         merged = merge_results([json.loads(path.read_text()) for path in args.merge])
         if args.out:
@@ -303,7 +321,7 @@ def main() -> None:
         "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride, "offset": args.offset,
                    "max_new_tokens": args.max_new_tokens,
                    "strategies": specs, "dtype": args.dtype, "temperature": args.temperature, "rule": rule,
-                   "seed": args.seed},
+                   "seed": args.seed, "repeats": args.repeats},
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
         "hydra": None if hydra is None else str(args.hydra or "assets/hydra"),
         "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": cpu_name(), "fast_bf16": fast_bf16(),
@@ -325,8 +343,8 @@ def main() -> None:
     forwards = {base.engine_name: base}
     for engine in {engine_of(spec) for spec in specs} - {None, base.engine_name}:
         forwards[engine] = load_base_model(replace(model_config, engine=engine))
-    result = save(benchmark(base, head_set, prompts, specs, config, on_prompt=save, other_forwards=forwards),
-                  complete=True)
+    result = save(benchmark(base, head_set, prompts, specs, config, on_prompt=save, other_forwards=forwards,
+                            repeats=args.repeats), complete=True)
     print(json.dumps(result["summary"], indent=1))
 
 

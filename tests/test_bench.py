@@ -167,3 +167,26 @@ def test_per_step_records_round_trip_through_the_json(monkeypatch):
                                      "rows": [asdict(r) for r in rows]}))
     back = [BenchRow(**row) for row in payload["rows"]]
     assert back == rows
+
+
+def test_repeats_keep_the_median_run_and_every_time():
+    """`repeats=3`: each row is the run of median time for its prompt and strategy, with all
+    three times kept; the outputs (greedy, fp32) are those of a single run."""
+    from offline.bench import HeadSet, Prompt, benchmark, median_run
+    from core.decoder import DecodeConfig
+    from tests.tiny import tiny_base, tiny_heads
+
+    def row(seconds: float) -> BenchRow:
+        return BenchRow(prompt_id="p", strategy="ar", new_tokens=1, steps=1, mean_accepted=1.0,
+                        seconds=seconds, tokens_per_s=1 / seconds, phase_seconds={}, output_ids=[1])
+    picked, _ = median_run([(row(3.0), None), (row(1.0), None), (row(2.0), None)])
+    assert picked.seconds == 2.0 and picked.repeat_seconds == [3.0, 1.0, 2.0]
+    assert median_run([(row(3.0), None), (row(1.0), None)])[0].seconds == 1.0  # the lower median
+    base = tiny_base("llama")
+    config = DecodeConfig(max_new_tokens=10, record_texts=False)
+    once = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")], ["ar", "dynamic:8"], config)
+    thrice = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")], ["ar", "dynamic:8"],
+                       config, repeats=3)
+    assert [len(r.repeat_seconds) for r in thrice] == [3, 3]
+    assert [r.output_ids for r in thrice] == [r.output_ids for r in once]
+    assert all(round(r.seconds, 4) in r.repeat_seconds for r in thrice)
