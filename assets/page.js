@@ -17,6 +17,33 @@
     const button = target && document.querySelector(target);
     if (button) { event.preventDefault(); button.click(); }
   });
+  // Gradio's plot draws every figure twice per update: Plotly.react, then Plots.resize (a 100 ms
+  // timer, then a full relayout). A plot that already has its box's size gains nothing from the
+  // second pass: skip it there (a plot whose box changed size, or a window resize, still resizes)
+  const skipNeedlessResize = (plotly) => {
+    if (!plotly || !plotly.Plots || plotly.Plots.labSkipsNeedlessResize) { return; }
+    const resize = plotly.Plots.resize;
+    plotly.Plots.resize = function (gd) {
+      const drawn = gd && gd._fullLayout;
+      const box = gd && typeof gd.getBoundingClientRect === 'function' ? gd.getBoundingClientRect() : null;
+      if (drawn && box && box.width > 0 && Math.abs(drawn.width - box.width) < 2
+          && Math.abs(drawn.height - box.height) < 2) {
+        return Promise.resolve(gd);
+      }
+      return resize.apply(this, arguments);
+    };
+    plotly.Plots.labSkipsNeedlessResize = true;
+  };
+  if (window.Plotly) {
+    skipNeedlessResize(window.Plotly);
+  } else {  // Gradio loads plotly.js with the first plot and publishes it as window.Plotly
+    let plotly;
+    Object.defineProperty(window, 'Plotly', {
+      configurable: true,
+      get: () => plotly,
+      set: (value) => { plotly = value; skipNeedlessResize(value); },
+    });
+  }
   // larger type for a projector
   document.addEventListener('change', (event) => {
     if (event.target instanceof HTMLInputElement && event.target.closest('#presenter-toggle')) {

@@ -177,6 +177,9 @@ class DecodeSession:
         # the other family's heads, drafting from the same context for the side-by-side view
         self.rival_drafter = self._heads_drafter(rival) if config.compare_rival and rival is not None else None
         self.chain_drafters = self._chain_drafters(store)
+        # the answer's hidden states, for drafters that attend over them (Hydra's prefix layer)
+        self.keeps_history = any(getattr(d, "reads_history", False) for d in (self.heads_drafter, self.rival_drafter))
+        self.hidden_history: list[torch.Tensor] = []
         self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
         self.generator = torch.Generator().manual_seed(config.seed)
         # room for the prompt, the answer and one tree on top: a static cache never has to grow
@@ -252,6 +255,8 @@ class DecodeSession:
         twin.cache = copy.deepcopy(self.cache)
         twin.records, twin.output_ids = list(self.records), list(self.output_ids)
         twin.chain_drafters = copy.deepcopy(self.chain_drafters)
+        twin.heads_drafter, twin.rival_drafter = copy.copy(self.heads_drafter), copy.copy(self.rival_drafter)
+        twin.hidden_history = list(self.hidden_history)
         twin.auto = copy.deepcopy(self.auto)
         twin.generator = torch.Generator().manual_seed(seed)
         return twin
@@ -268,6 +273,7 @@ class DecodeSession:
             ids = torch.tensor(self.prompt_ids)
             out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)))
         self.last_hidden = out.hidden[-1]  # [H]
+        self._remember_hidden(out.hidden[-1:].clone())
         logits = out.row(len(self.prompt_ids) - 1)  # [V]
         self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
         self.prefill_top_logits = _top2(logits)
@@ -297,6 +303,15 @@ class DecodeSession:
             self.stop_reason = "context"
         return emitted
 
+    def _draft_context(self) -> DraftContext:
+        return DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden,
+                            history=self.hidden_history)
+
+    def _remember_hidden(self, hidden: torch.Tensor) -> None:
+        """Keep this step's accepted positions' hidden states [k, H] when a drafter reads them."""
+        if self.keeps_history:
+            self.hidden_history.append(hidden)
+
     def _texts(self, ids: list[int]) -> list[str]:
         return self.base.token_texts(ids) if self.config.record_texts else []
 
@@ -306,7 +321,7 @@ class DecodeSession:
             return None, []
         if self.auto is not None and self.auto.probe_plain():
             return None, []  # a plain step measures what plain decoding costs in this run
-        context = DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden)
+        context = self._draft_context()
         use_heads = self.auto is None or self.auto.use_heads()  # dynamic:auto backing off skips the heads
         heads = self.heads_drafter.propose(context) if use_heads else None
         chains = []
@@ -327,6 +342,7 @@ class DecodeSession:
         top_logits = _top2(logits)  # the margin of this choice, for near-tie checks
         t2 = _clock(device)
         self.last_hidden, self.root_token = out.hidden[0], bonus
+        self._remember_hidden(out.hidden[:1])
         root = int(self.output_ids[-1])
         outcome = TreeOutcome(tree=CandidateTree(paths=[], kind=AUTOREGRESSIVE), node_tokens=[root],
                               node_scores=[1.0], accepted_nodes=[0], bonus_token=bonus,
@@ -395,8 +411,7 @@ class DecodeSession:
     def _compare_rival(self, nodes: int, max_depth: int) -> tuple[TreeOutcome, float]:
         """The other heads family's tree from the same context and size, verified but never committed."""
         c0 = _clock(self.base.device)
-        proposal = self.rival_drafter.propose(DraftContext(tokens=self.prompt_ids + self.output_ids,
-                                                           hidden=self.last_hidden))
+        proposal = self.rival_drafter.propose(self._draft_context())
         draft = build_draft_tree(proposal, [], max(nodes, 1), self.config.top_m, self.config.depth)
         draft = draft.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth, size=max(nodes, 1))
         return self._verify_aside(draft), _clock(self.base.device) - c0
@@ -420,6 +435,7 @@ class DecodeSession:
         c0 = _clock(device)
         keep_accepted(self.cache, context, torch.tensor(outcome.accepted_nodes, device=device))
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
+        self._remember_hidden(out.hidden[torch.tensor(outcome.accepted_nodes, device=device)])  # [k, H]
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
         self._observe_chains(drafted, draft, outcome.accepted_tokens)

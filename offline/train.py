@@ -67,6 +67,7 @@ class TrainConfig:
     draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
     depth_vocab: str = ""  # rows each head ranks, comma-separated (e.g. 16384,8192,4096,4096); "": all
     extract_missing: bool = False  # rows without captured features: one forward each (slow)
+    prefix_layer: bool = False  # Hydra only: Hydra++'s prefix attention layer (batches of whole answers)
 
     @property
     def depth_sizes(self) -> tuple[int, ...]:
@@ -282,11 +283,11 @@ def frequency_vocab(answer_tokens: torch.Tensor, size: int, vocab_size: int) -> 
 
 
 def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[float]]],
-        positions: int, config: TrainConfig, checkpoint: Path | None = None, data_fingerprint: str = ""
-        ) -> torch.nn.Module:
-    """AdamW with warm-up and cosine decay over shuffled positions; a progress bar shows loss and
-    per-head top-1. With `checkpoint`, progress is saved every CHECKPOINT_EVERY steps and a run
-    with the same settings resumes from it."""
+        positions: int, config: TrainConfig, checkpoint: Path | None = None, data_fingerprint: str = "",
+        order: torch.Tensor | None = None) -> torch.nn.Module:
+    """AdamW with warm-up and cosine decay over shuffled positions (or `order`, e.g. whole answers
+    in shuffled order); a progress bar shows loss and per-head top-1. With `checkpoint`, progress
+    is saved every CHECKPOINT_EVERY steps and a run with the same settings resumes from it."""
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     used = positions if not config.max_positions else min(config.max_positions, positions)
@@ -294,7 +295,9 @@ def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torc
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    order = torch.randperm(positions, generator=torch.Generator().manual_seed(config.seed))[:used]
+    if order is None:
+        order = torch.randperm(positions, generator=torch.Generator().manual_seed(config.seed))
+    order = order[:used]
     first = 0
     # a checkpoint resumes only the same run: same settings, same data (positions and a
     # fingerprint of what each position must predict), same draft vocabulary

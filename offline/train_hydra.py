@@ -38,6 +38,8 @@ def hydra_loss(heads: HydraHeads, vocabs: list[TrainVocab], embed_weight: torch.
     """Weighted soft cross-entropy of every head at positions `index`, and per-head top-1; `augment`
     corrupts the hidden states and the path embeddings (Hydra++'s noise on the path)."""
     hidden = augment(features.hidden[index].float())  # [B, H]
+    if heads.prefix is not None:
+        hidden = prefix_states(heads, hidden, index, features.remaining)  # [B, H]
     total = hidden.new_zeros(())
     accuracy = []
     for k in range(1, heads.config.num_heads + 1):
@@ -53,31 +55,57 @@ def hydra_loss(heads: HydraHeads, vocabs: list[TrainVocab], embed_weight: torch.
     return total, accuracy
 
 
+def prefix_states(heads: HydraHeads, hidden: torch.Tensor, index: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
+    """The prefix layer's output at each position of a batch, run causally over each stretch of
+    consecutive positions of one answer (`answer_order` makes stretches whole answers, except
+    where a batch boundary cuts one: its second part sees only itself)."""
+    breaks = (index[1:] != index[:-1] + 1) | (remaining[index[:-1]] == 0)  # [B-1]: a new stretch at t+1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).flatten() + 1])
+    lengths = torch.diff(torch.cat([starts, torch.tensor([len(index)])]))  # [R]
+    stretches = nn.utils.rnn.pad_sequence(hidden.split(lengths.tolist()), batch_first=True)  # [R, T, H]
+    out = heads.context_states(stretches, lengths)  # [R, T, H]
+    return torch.cat([row[:length] for row, length in zip(out, lengths.tolist())])  # [B, H]
+
+
+def answer_order(remaining: torch.Tensor, seed: int) -> torch.Tensor:
+    """Every position, answer by answer in a shuffled order of answers (positions in order)."""
+    ends = torch.nonzero(remaining == 0).flatten() + 1  # [A] one past each answer's last position
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])
+    shuffled = torch.randperm(len(ends), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([torch.arange(starts[a], ends[a]) for a in shuffled.tolist()])
+
+
 def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
                 checkpoint: Path | None = None) -> HydraHeads:
     """Hydra heads trained on `features` (draft vocabulary: the most frequent answer tokens)."""
     vocab_size = base.model.config.vocab_size
     draft_size = min(config.draft_vocab, vocab_size)
     torch.manual_seed(config.seed)
+    model_config = base.model.config
     heads = HydraHeads(HydraConfig(num_heads=config.num_heads, num_layers=config.num_layers,
-                                   hidden_size=base.model.config.hidden_size, vocab_size=vocab_size,
-                                   draft_vocab_size=draft_size, depth_vocab=config.depth_sizes))
+                                   hidden_size=model_config.hidden_size, vocab_size=vocab_size,
+                                   draft_vocab_size=draft_size, depth_vocab=config.depth_sizes,
+                                   prefix_layer=config.prefix_layer, prefix_heads=model_config.num_attention_heads,
+                                   prefix_mlp=model_config.intermediate_size))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
     vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
+    # the prefix layer reads an answer's positions in order: batches of whole answers
+    order = answer_order(features.remaining, config.seed) if config.prefix_layer else None
     fit(heads, lambda index: hydra_loss(heads, vocabs, embed_weight, features, index, config.decay, config.augment),
-        features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
+        features.hidden.shape[0], config, checkpoint, features_fingerprint(features), order=order)
     return heads.eval().requires_grad_(False)
 
 
 @torch.inference_mode()
-def _answer_hidden(base: BaseModel, row: dict) -> torch.Tensor:
-    """[L, H] the hidden state that predicts answer[j], for every j (one teacher-forced forward)."""
+def _answer_states(base: BaseModel, heads: HydraHeads, row: dict) -> torch.Tensor:
+    """[L, H] what the heads read at answer position j, for every j: the hidden state that
+    predicts answer[j] (one teacher-forced forward), through the prefix layer if the heads have one."""
     seq = torch.tensor([row["prompt_ids"] + row["answer_ids"]], device=base.device)
     hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
     first = len(row["prompt_ids"]) - 1
-    return hidden[first:first + len(row["answer_ids"])]
+    return heads.context_states(hidden[first:first + len(row["answer_ids"])].to(next(heads.parameters()).dtype))
 
 
 @torch.inference_mode()
@@ -91,7 +119,7 @@ def hydra_accuracy(base: BaseModel, heads: HydraHeads, rows: list[dict], top: in
     hits, own_hits, counts = torch.zeros(depth, top), torch.zeros(depth), torch.zeros(depth)
     for row in rows:
         answer = torch.tensor(row["answer_ids"])  # [L]
-        hidden = _answer_hidden(base, row)  # [L, H]
+        hidden = _answer_states(base, heads, row)  # [L, H]
         own_path = answer[:, None]  # [L, 1] the root
         for k in range(1, depth + 1):
             valid = len(answer) - k  # positions j with a target answer[j+k]
@@ -137,7 +165,7 @@ def hydra_tokens_per_step(base: BaseModel, heads: HydraHeads, rows: list[dict], 
     totals = {b: [0, 0] for b in budgets}
     for row in tqdm(rows, desc="hydra simulate"):
         answer = row["answer_ids"]
-        hidden = _answer_hidden(base, row)  # [L, H]
+        hidden = _answer_states(base, heads, row)  # [L, H]
         grown_at: dict[int, GrownTree] = {}
         for budget in budgets:
             i, steps, emitted = 0, 0, 0

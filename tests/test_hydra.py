@@ -164,3 +164,88 @@ def test_hydra_steps_draw_in_every_view(base, hydra):
     assert len(figure.data) > 0
     assert "Hydra head 1, child" in verification_html(record, greedy=True)
     assert "Hydra heads read the path" in heads_html(record)
+
+
+# -- Hydra++'s prefix layer ---------------------------------------------------------------------
+
+def test_fresh_prefix_layer_is_the_identity():
+    heads = HydraHeads(HydraConfig(num_heads=2, hidden_size=8, vocab_size=16, draft_vocab_size=0,
+                                   prefix_layer=True, prefix_heads=2, prefix_mlp=16))
+    hidden = torch.randn(5, 8)
+    assert torch.equal(heads.context_states(hidden), hidden)
+    out, cache = heads.prefix.extend(None, hidden)
+    assert torch.equal(out, hidden) and cache.length == 5
+
+
+def test_prefix_cache_extended_step_by_step_equals_one_causal_pass(base):
+    """What decoding computes (the cache extended by each step's accepted positions) is what
+    training and evaluation compute (one causal pass over the answer), and padding changes nothing."""
+    prefix = tiny_hydra(base, prefix_layer=True).prefix
+    hidden = torch.randn(11, base.model.config.hidden_size)
+    whole = prefix(hidden[None])[0]  # [11, H]
+    cache, pieces = None, []
+    for start, end in ((0, 1), (1, 4), (4, 5), (5, 11)):
+        out, cache = prefix.extend(cache, hidden[start:end])
+        pieces.append(out)
+    assert torch.allclose(torch.cat(pieces), whole, atol=1e-5)
+    assert not torch.allclose(whole[5:], hidden[5:], atol=1e-3)  # a random layer really mixes the past
+    padded = torch.zeros(2, 14, hidden.shape[1])
+    padded[0, :11], padded[1, :6] = hidden, hidden[:6]
+    rows = prefix(padded, torch.tensor([11, 6]))
+    assert torch.allclose(rows[0, :11], whole, atol=1e-5) and torch.allclose(rows[1, :6], whole[:6], atol=1e-5)
+
+
+def test_prefix_layer_saves_loads_and_refuses_a_mismatch(base, tmp_path):
+    heads = tiny_hydra(base, prefix_layer=True)
+    heads.save(tmp_path / "with")
+    loaded = load_hydra_heads(tmp_path / "with")
+    assert loaded.config.prefix_layer and loaded.config == heads.config
+    for mine, theirs in zip(heads.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(mine, theirs)
+    import json
+    config = json.loads((tmp_path / "with" / "config.json").read_text())
+    config["prefix_layer"] = False
+    (tmp_path / "with" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="prefix"):
+        load_hydra_heads(tmp_path / "with")
+
+
+@pytest.mark.parametrize("spec", [dict(budget=12), dict(budget=40, auto_budget=True), dict(budget=20, lookup_tokens=8)])
+def test_hydra_with_a_prefix_layer_stays_exact_and_reads_the_whole_answer(base, spec):
+    """fp32 greedy with prefix-layer heads equals plain greedy; the drafter's prefix cache holds
+    one position per answer token so far (the prefill's last, then every accepted one), and the
+    heads' trees differ from those of the same heads without the layer."""
+    heads = tiny_hydra(base, prefix_layer=True)
+    expected = greedy_reference(base, PROMPT, 40)
+    session = decode(base, heads, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=40, top_m=8, **spec))
+    assert session.output_ids == expected
+    drafter = session.heads_drafter
+    assert sum(len(chunk) for chunk in session.hidden_history) == len(session.output_ids)
+    assert drafter.prefix_cache is not None and drafter.prefix_cache.length <= len(session.output_ids)
+    plain = tiny_hydra(base)  # the same heads (same seed) without the prefix layer
+    without = decode(base, plain, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=40, top_m=8, **spec))
+    assert without.output_ids == expected
+    trees = lambda s: [r.outcome.node_tokens for r in s.records]  # noqa: E731
+    assert trees(session) != trees(without)
+
+
+def test_sessions_without_a_prefix_layer_keep_no_hidden_states(base, hydra):
+    session = decode(base, hydra, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=8, top_m=8))
+    assert not session.keeps_history and session.hidden_history == []
+
+
+def test_hydra_loss_trains_the_prefix_layer():
+    """With a prefix layer the loss runs the layer causally over each answer in the batch and
+    its gradient reaches the layer (zero-initialised outputs get it first)."""
+    heads = HydraHeads(HydraConfig(num_heads=2, hidden_size=8, vocab_size=16, draft_vocab_size=0,
+                                   prefix_layer=True, prefix_heads=2, prefix_mlp=16))
+    count = 12  # two answers of 7 and 5 positions
+    remaining = torch.cat([torch.arange(6, -1, -1), torch.arange(4, -1, -1)])
+    features = Features(hidden=torch.randn(count, 8).to(torch.bfloat16), remaining=remaining,
+                        tokens=torch.randint(0, 16, (count,)), teacher_ids=torch.randint(0, 16, (count, 4)).int(),
+                        teacher_probs=torch.full((count, 4), 0.25).half())
+    vocab = train_vocab(torch.randn(16, 8), None)
+    loss, _ = hydra_loss(heads, [vocab, vocab], torch.randn(16, 8), features, torch.arange(count), 0.8)
+    loss.backward()
+    assert heads.prefix.out.weight.grad is not None and heads.prefix.out.weight.grad.abs().sum() > 0
+    assert heads.prefix.down.weight.grad.abs().sum() > 0

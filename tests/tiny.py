@@ -118,16 +118,23 @@ def greedy_reference(base: BaseModel, prompt_ids: Sequence[int], max_new_tokens:
     return out[0, ids.shape[1]:].tolist()
 
 
-def tiny_hydra(base: BaseModel, num_heads: int = 4, *, std: float = 0.05, seed: int = 0) -> "HydraHeads":
-    """Random non-zero Hydra heads over `base` (the whole vocabulary is their draft vocabulary)."""
+def tiny_hydra(base: BaseModel, num_heads: int = 4, *, std: float = 0.05, seed: int = 0,
+               prefix_layer: bool = False) -> "HydraHeads":
+    """Random non-zero Hydra heads over `base` (the whole vocabulary is their draft vocabulary),
+    with a random non-zero prefix layer when asked."""
     from core.drafters.hydra import HydraConfig, HydraHeads
     config = base.model.config
     heads = HydraHeads(HydraConfig(num_heads=num_heads, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                                   draft_vocab_size=config.vocab_size, base_model=base.source))
+                                   draft_vocab_size=config.vocab_size, base_model=base.source,
+                                   prefix_layer=prefix_layer, prefix_heads=4, prefix_mlp=2 * config.hidden_size))
     heads.draft_vocab.copy_(torch.arange(config.vocab_size))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for head in heads.heads:
             head.mix.weight.normal_(0.0, std, generator=generator)
             head.blocks[0].linear.weight.normal_(0.0, std, generator=generator)
+        if heads.prefix is not None:
+            for weight in (heads.prefix.qkv.weight, heads.prefix.out.weight, heads.prefix.gate_up.weight,
+                           heads.prefix.down.weight):
+                weight.normal_(0.0, 4 * std, generator=generator)
     return heads.to(base.dtype).eval().requires_grad_(False)

@@ -20,9 +20,18 @@ column at depth d is a node's index among that depth's kept nodes (not a rank: H
 children depend on their parent), so grafting, verification, acceptance and the KV commit
 are the ones every tree uses.
 
+Optional (Hydra++, `HydraConfig.prefix_layer`): a prefix-attention layer, one causal decoder
+layer (attention without positional encoding, then a gated MLP, each zero-initialised on its
+output so a fresh layer is the identity) over the base model's hidden states of the answer so
+far, from the one that predicted its first token; its output at the last position replaces `h`
+above, so every head sees more than the last hidden state. At decode time the drafter keeps the
+layer's keys and values (`PrefixCache`) and extends them with each step's accepted positions:
+a rejected node never enters, so nothing is rolled back.
+
 On-disk format (`assets/hydra/`): `config.json` (HydraConfig) and `heads.safetensors` with
-`heads.{k}.mix.weight/bias`, `heads.{k}.blocks.{l}.linear.weight/bias` and `draft_vocab`
-(the token ids the heads rank, most frequent first).
+`heads.{k}.mix.weight/bias`, `heads.{k}.blocks.{l}.linear.weight/bias`, `draft_vocab`
+(the token ids the heads rank, most frequent first) and, with the prefix layer,
+`prefix.{attn_norm,mlp_norm}.weight`, `prefix.{qkv,out,gate_up,down}.weight`.
 """
 from __future__ import annotations
 
@@ -53,6 +62,9 @@ class HydraConfig:
     draft_vocab_size: int = 16384
     base_model: str = "SmolLM2-135M-Instruct"
     depth_vocab: tuple[int, ...] = ()  # rows of the draft vocabulary head d ranks (a prefix); (): all
+    prefix_layer: bool = False  # Hydra++'s prefix attention over the answer's hidden states
+    prefix_heads: int = 9  # its attention heads (hidden_size must divide by it)
+    prefix_mlp: int = 1536  # its MLP's inner width
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "depth_vocab", checked_depth_vocab(self.depth_vocab, self.num_heads,
@@ -75,6 +87,77 @@ class HydraHead(nn.Module):
         return self.blocks(hidden + self.mix(mixed))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """The prefix layer's keys and values of every position seen so far; `extend` returns a new
+    cache (tensors are never written in place, so a forked session may share the old one)."""
+
+    keys: torch.Tensor  # [heads, n, d]
+    values: torch.Tensor  # [heads, n, d]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+class PrefixLayer(nn.Module):
+    """One causal decoder layer over hidden states (module docstring): x + Attn(norm x), then + MLP."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_size: int) -> None:
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden size {hidden_size} does not divide into {num_heads} heads")
+        self.num_heads = num_heads
+        self.attn_norm, self.mlp_norm = RMSNorm(hidden_size), RMSNorm(hidden_size)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.gate_up = nn.Linear(hidden_size, 2 * mlp_size, bias=False)
+        self.down = nn.Linear(mlp_size, hidden_size, bias=False)
+        nn.init.zeros_(self.out.weight)  # a fresh layer is the identity
+        nn.init.zeros_(self.down.weight)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., T, H] -> [..., heads, T, d]."""
+        return x.unflatten(-1, (self.num_heads, -1)).transpose(-3, -2)
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + self.out(attended.transpose(-3, -2).flatten(-2))  # [..., T, H]
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+    def forward(self, hidden: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Training / evaluation: hidden [B, T, H] (rows right-padded to `lengths`) -> [B, T, H];
+        position t attends to positions <= t of its own row."""
+        q, k, v = (self._split(part) for part in self.qkv(self.attn_norm(hidden)).chunk(3, dim=-1))  # [B, h, T, d]
+        steps = hidden.shape[-2]
+        allowed = torch.ones(steps, steps, dtype=torch.bool, device=hidden.device).tril()  # [T, T]
+        if lengths is not None:  # padding is never a key (its own rows are discarded)
+            allowed = allowed & (torch.arange(steps, device=hidden.device) < lengths[:, None])[:, None, None, :]
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [B, h, T, d]
+        return self._finish(hidden, attended)
+
+    def extend(self, cache: PrefixCache | None, hidden: torch.Tensor) -> tuple[torch.Tensor, PrefixCache]:
+        """Decoding: new positions hidden [n, H] after `cache` -> (their outputs [n, H], the longer cache)."""
+        q, k, v = (self._split(part) for part in self.qkv(self.attn_norm(hidden)).chunk(3, dim=-1))  # [h, n, d]
+        if cache is not None:
+            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
+        new, total = hidden.shape[0], k.shape[1]
+        allowed = torch.ones(new, total, dtype=torch.bool, device=hidden.device).tril(total - new)  # [n, total]
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [h, n, d]
+        return self._finish(hidden, attended), PrefixCache(keys=k, values=v)
+
+
 class HydraHeads(nn.Module):
     """K Hydra heads; head k (1-based) reads k path tokens. Projection: the frozen lm_head."""
 
@@ -84,6 +167,17 @@ class HydraHeads(nn.Module):
         self.heads = nn.ModuleList(HydraHead(config.hidden_size, k, config.num_layers)
                                    for k in range(1, config.num_heads + 1))
         self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.prefix = (PrefixLayer(config.hidden_size, config.prefix_heads, config.prefix_mlp)
+                       if config.prefix_layer else None)
+
+    def context_states(self, hidden: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """What the heads read at each answer position: the prefix layer's output over the hidden
+        states [..., T, H] of the answer so far, or the hidden states themselves without one."""
+        if self.prefix is None:
+            return hidden
+        if hidden.dim() == 2:
+            return self.prefix(hidden[None])[0]
+        return self.prefix(hidden, lengths)
 
     def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
         """The lm_head rows the heads rank (build once per session, not per step)."""
@@ -98,6 +192,8 @@ class HydraHeads(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"heads.{k}": v.contiguous() for k, v in self.heads.state_dict().items()}
+        if self.prefix is not None:
+            tensors.update({f"prefix.{k}": v.contiguous() for k, v in self.prefix.state_dict().items()})
         tensors["draft_vocab"] = self.draft_vocab.contiguous()
         safetensors.torch.save_file(tensors, folder / "heads.safetensors")
         (folder / "config.json").write_text(json.dumps({"family": "hydra", **asdict(self.config)}, indent=2) + "\n")
@@ -116,7 +212,13 @@ def load_hydra_heads(folder: Path = DEFAULT_HYDRA_DIR, *, dtype: torch.dtype = t
     draft_vocab = state.pop("draft_vocab", torch.zeros(0, dtype=torch.long))
     if len(draft_vocab) != config.draft_vocab_size:
         raise ValueError(f"{folder}: config says {config.draft_vocab_size} draft tokens, weights hold {len(draft_vocab)}")
+    prefix = {key.removeprefix("prefix."): state.pop(key) for key in [k for k in state if k.startswith("prefix.")]}
+    if (heads.prefix is not None) != bool(prefix):
+        raise ValueError(f"{folder}: config says prefix_layer={config.prefix_layer}, weights "
+                         f"{'hold' if prefix else 'lack'} a prefix layer")
     heads.heads.load_state_dict({key.removeprefix("heads."): value for key, value in state.items()})
+    if heads.prefix is not None:
+        heads.prefix.load_state_dict(prefix)
     heads.draft_vocab.copy_(draft_vocab)
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import DraftProjection, MedusaHeads
-from core.drafters.hydra import GrownTree, HydraHeads, grow_tree
+from core.drafters.hydra import GrownTree, HydraHeads, PrefixCache, grow_tree
 from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
 from core.model import BaseModel, fast_bf16
 from core.strategy import MAX_CHAIN_TOKENS
@@ -69,6 +69,9 @@ class DraftContext:
 
     tokens: Sequence[int]  # prompt + output so far, ending with the step's root token
     hidden: torch.Tensor  # [H] the base model's last hidden state (it predicted the root)
+    # the hidden states of the answer so far, one [k, H] chunk per step (the prefill's last
+    # position first); the last row is `hidden`. Read by drafters that attend over the answer
+    history: Sequence[torch.Tensor] = ()
 
 
 @dataclass(frozen=True)
@@ -135,10 +138,35 @@ class HydraDrafter:
         self.embed = embed if embed.weight.dtype == self.dtype else nn.Embedding.from_pretrained(
             embed.weight.to(self.dtype), freeze=True)
         self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
+        # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:
+        # a cache is never changed in place)
+        self.prefix_cache: PrefixCache | None = None
+        self.seen = 0
+        self.last_state: torch.Tensor | None = None
+
+    @property
+    def reads_history(self) -> bool:
+        """True when proposing needs DraftContext.history (heads with a prefix layer)."""
+        return self.heads.prefix is not None
 
     def propose(self, context: DraftContext) -> GrownTree:
-        return grow_tree(self.heads, self.embed, self.projection, context.hidden, int(context.tokens[-1]),
+        return grow_tree(self.heads, self.embed, self.projection, self._state(context), int(context.tokens[-1]),
                          budget=self.budget, width=self.width, beam=self.beam, depth=self.depth)
+
+    @torch.inference_mode()
+    def _state(self, context: DraftContext) -> torch.Tensor:
+        """[H] what the heads read: the hidden state, or the prefix layer's output after it."""
+        if self.heads.prefix is None:
+            return context.hidden
+        if not context.history:
+            raise ValueError("Hydra heads with a prefix layer need the answer's hidden states (DraftContext.history)")
+        if self.seen > len(context.history):  # a shorter history than the one cached: start over
+            self.prefix_cache, self.seen = None, 0
+        if self.seen < len(context.history):
+            fresh = torch.cat([chunk.to(self.dtype) for chunk in context.history[self.seen:]])  # [n, H]
+            outputs, self.prefix_cache = self.heads.prefix.extend(self.prefix_cache, fresh)  # [n, H]
+            self.seen, self.last_state = len(context.history), outputs[-1]
+        return self.last_state
 
     def observe(self, proposed: HeadProposal | GrownTree | list[Chain], verified_depths: Sequence[int],
                 accepted_tokens: Sequence[int]) -> None:
