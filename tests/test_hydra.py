@@ -249,3 +249,34 @@ def test_hydra_loss_trains_the_prefix_layer():
     loss.backward()
     assert heads.prefix.out.weight.grad is not None and heads.prefix.out.weight.grad.abs().sum() > 0
     assert heads.prefix.down.weight.grad.abs().sum() > 0
+
+
+def test_training_with_a_prefix_layer_learns_saves_and_evaluates(base, tmp_path):
+    """A few steps of `train_hydra` with the prefix layer on a tiny model's own answers: batches
+    follow whole answers, the loss falls, the layer moves off the identity, and the saved heads
+    load and evaluate through it."""
+    from offline.train import TrainConfig, extract_features
+    from offline.train_hydra import answer_order, hydra_accuracy, train_hydra
+    generator = torch.Generator().manual_seed(3)
+    rows = [{"prompt_ids": torch.randint(0, 200, (6,), generator=generator).tolist(),
+             "answer_ids": torch.randint(0, 200, (24,), generator=generator).tolist()} for _ in range(6)]
+    features = extract_features(base, rows)
+    order = answer_order(features.remaining, seed=0)
+    assert sorted(order.tolist()) == list(range(len(order)))
+    assert all(features.remaining[order[i]] == 0 or order[i + 1] == order[i] + 1 for i in range(len(order) - 1))
+    config = TrainConfig(family="hydra", num_heads=2, epochs=6, batch_size=48, lr=1e-2, draft_vocab=0,
+                         prefix_layer=True)
+    heads = train_hydra(base, features, config)
+    assert heads.prefix is not None and heads.prefix.out.weight.abs().sum() > 0
+    fresh = HydraHeads(heads.config)
+    vocab = train_vocab(base.lm_head.weight, None)
+    embed = base.model.get_input_embeddings().weight
+    index = torch.arange(len(order))
+    with torch.no_grad():
+        trained_loss, _ = hydra_loss(heads, [vocab, vocab], embed, features, index, config.decay)
+        fresh_loss, _ = hydra_loss(fresh, [vocab, vocab], embed, features, index, config.decay)
+    assert trained_loss < 0.95 * fresh_loss
+    heads.save(tmp_path)
+    loaded = load_hydra_heads(tmp_path)
+    accuracy, own = hydra_accuracy(base, loaded, rows[:2])
+    assert len(accuracy) == 2 and all(0.0 <= a[0] <= 1.0 for a in accuracy)
