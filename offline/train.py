@@ -130,8 +130,11 @@ def concat_features(parts: list[Features]) -> Features:
 
 
 @torch.inference_mode()
-def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8) -> Features:
-    """One batched forward of the frozen base over each prompt + answer (right padded)."""
+def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8, bf16: bool = False) -> Features:
+    """One batched forward of the frozen base over each prompt + answer (right padded); `bf16`:
+    under CPU bf16 autocast (2-3x faster where bf16 is fast; the hidden states are stored in bf16
+    anyway, as the generator captures them in its fast precision)."""
+    fast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and base.device.type == "cpu")
     parts = []
     rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
     for start in tqdm(range(0, len(rows), batch_size), desc="features"):
@@ -145,11 +148,14 @@ def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8) -> 
         for i, seq in enumerate(seqs):
             ids[i, : len(seq)] = torch.tensor(seq)
             mask[i, : len(seq)] = 1
-        states = base.model.model(input_ids=ids.to(base.device), attention_mask=mask.to(base.device)).last_hidden_state
+        with fast:
+            states = base.model.model(input_ids=ids.to(base.device), attention_mask=mask.to(base.device)).last_hidden_state
         for i, row in enumerate(chunk):
             first, count = len(row["prompt_ids"]) - 1, len(row["answer_ids"])
             region = states[i, first:first + count]  # [count, H]: hidden at t predicts answer[j]
-            top = torch.topk(torch.softmax(base.lm_head(region).float(), dim=-1), TEACHER_TOP, dim=-1)
+            with fast:
+                logits = base.lm_head(region)  # [count, V]
+            top = torch.topk(torch.softmax(logits.float(), dim=-1), TEACHER_TOP, dim=-1)
             parts.append(_answer_features(row["answer_ids"], region.cpu(), top.indices.cpu(), top.values.cpu()))
     return concat_features(parts)
 
@@ -189,7 +195,7 @@ def load_training_features(base: BaseModel, paths: list[Path], extract_missing: 
             if cache.exists():
                 extracted = Features(**torch.load(cache, weights_only=True))
             else:
-                extracted = extract_features(base, missing)
+                extracted = extract_features(base, missing, bf16=fast_bf16())
                 torch.save(asdict(extracted), cache)
             parts.append(extracted)
             used += missing

@@ -280,3 +280,17 @@ def test_training_with_a_prefix_layer_learns_saves_and_evaluates(base, tmp_path)
     loaded = load_hydra_heads(tmp_path)
     accuracy, own = hydra_accuracy(base, loaded, rows[:2])
     assert len(accuracy) == 2 and all(0.0 <= a[0] <= 1.0 for a in accuracy)
+
+
+def test_features_extracted_under_bf16_autocast_match_fp32(base):
+    """The faster extraction (bf16 autocast, where bf16 is fast) yields the same positions and
+    targets, hidden states within bf16 rounding, and mostly the same teacher top-1."""
+    from offline.train import extract_features
+    generator = torch.Generator().manual_seed(5)
+    rows = [{"prompt_ids": torch.randint(0, 200, (5,), generator=generator).tolist(),
+             "answer_ids": torch.randint(0, 200, (12,), generator=generator).tolist()} for _ in range(3)]
+    exact, fast = extract_features(base, rows), extract_features(base, rows, bf16=True)
+    assert torch.equal(exact.tokens, fast.tokens) and torch.equal(exact.remaining, fast.remaining)
+    error = (exact.hidden.float() - fast.hidden.float()).norm() / exact.hidden.float().norm()
+    assert 0 < error < 0.05
+    assert (exact.teacher_ids[:, 0] == fast.teacher_ids[:, 0]).float().mean() > 0.8
