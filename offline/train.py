@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from offline.datagen import TEACHER_TOP, generate_batch, load_captured
-from core.drafters.medusa import HeadsConfig, MedusaHeads
+from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads
 from core.machine import cpu_name
 from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16, load_base_model
 from offline.simulate import head_proposals
@@ -480,7 +480,10 @@ def run_training(config: TrainConfig, train: Callable[[BaseModel, Features, Trai
 def main() -> None:
     config = parse_config(__doc__, TrainConfig())
     report = run_training(config, train_heads, medusa_report)
-    write_calibrated_tree(report["held_out"]["mt_bench"]["topk_accuracy"])
+    choices = calibrated_choices(report["held_out"]["mt_bench"]["topk_accuracy"], 63)
+    (_out_dir(config) / "calibrated_tree.json").write_text(json.dumps(choices) + "\n")
+    if _out_dir(config).resolve() == DEFAULT_HEADS_DIR.resolve():  # only shipped heads change the shipped tree
+        write_calibrated_tree(choices)
 
 
 def medusa_report(base: BaseModel, heads: MedusaHeads, sets: dict[str, list[dict]]) -> dict:
@@ -495,11 +498,12 @@ def medusa_report(base: BaseModel, heads: MedusaHeads, sets: dict[str, list[dict
             "draft_vocab": heads.config.draft_vocab_size, "held_out": held_out}
 
 
-def write_calibrated_tree(accuracy: list[list[float]]) -> None:
-    """Medusa's greedy tree construction from the shipped heads' MT-Bench accuracies, into trees.json."""
+def write_calibrated_tree(choices: list[list[int]]) -> None:
+    """The shipped heads' calibrated tree (Medusa's greedy construction from their MT-Bench
+    accuracies, `calibrated_choices`) into trees.json; a candidate's lies in its folder."""
     trees_file = REPO_ROOT / "assets" / "trees.json"
     trees = json.loads(trees_file.read_text())
-    trees["trees"]["calibrated"] = calibrated_choices(accuracy, 63)
+    trees["trees"]["calibrated"] = choices
     trees["calibrated_note"] = "calibrated: Medusa's greedy construction from the shipped heads' MT-Bench top-k accuracies"
     trees_file.write_text(json.dumps(trees) + "\n")
 

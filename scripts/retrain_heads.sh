@@ -1,32 +1,56 @@
 #!/usr/bin/env bash
-# This round's drafter recipe, one phase after another on a quiet machine (each phase resumes):
-#   1. self-distillation data: the base model's greedy answers to ShareGPT first turns, with the
-#      training features captured while it writes them (needs requirements-datagen.txt; the text is
-#      never committed). Skipped when GENERATE=0 (the data under data/ is used as it is).
-#   2. Medusa heads (offline.train) and Hydra heads (offline.train_hydra) on the same features; each
-#      writes its report.json (held-out accuracy on MT-Bench and the second set; Hydra also
-#      tokens per step of its grown tree beside the Medusa heads' dynamic tree).
-#   3. tokens per step of the fixed and dynamic Medusa trees on both held-out sets.
+# The drafter recipe, one phase after another on a quiet machine (each phase resumes):
+#   1. self-distillation data. The licence-clean answers ship as token ids in assets/distill/
+#      (the base model's greedy answers to the Apache-2.0 / MIT prompts of assets/data and to
+#      prompts it wrote itself): they are unpacked into data/ and their features extracted once
+#      (cached beside them, bf16 where bf16 is fast). GENERATE=1 first answers the licence-clean
+#      prompts not answered yet (resumable); SHAREGPT=1 adds ShareGPT first turns (needs
+#      requirements-datagen.txt; their text is never committed, licence unstated).
+#   2. Medusa heads (offline.train) and Hydra heads (offline.train_hydra) on the same features, into
+#      candidate folders (MEDUSA_OUT, HYDRA_OUT); each writes its report.json (held-out accuracy on
+#      MT-Bench and the second set; Hydra also tokens per step of its grown tree). Ship a candidate
+#      (copy it over assets/heads or assets/hydra) only if it beats the shipped heads held out.
+#   3. tokens per step of the fixed and dynamic Medusa trees on both held-out sets (after shipping).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 PY=.venv/bin/python
-CHAT=${CHAT:-data/distill_chat.jsonl}
 EPOCHS=${EPOCHS:-1.0}
-# round 12's recipe (README, "Drafters and results at a glance")
+MEDUSA_OUT=${MEDUSA_OUT:-assets/heads_candidate}
+HYDRA_OUT=${HYDRA_OUT:-assets/hydra_candidate}
+# round 12's recipe (README, "Drafters and results at a glance"); HYDRA_EXTRA="--prefix-layer true" tries Hydra++'s layer
 RECIPE=(--epochs "$EPOCHS" --depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
-if [ "${GENERATE:-1}" = "1" ]; then
-  .venv/bin/pip install -q -r requirements-datagen.txt
-  $PY -m offline.datagen --out "$CHAT" --train-prompts 0 --self-prompts 0 --sharegpt 11000 --max-new-tokens 256
+mkdir -p data
+unpack() {  # a committed answer file into data/, unless a (possibly longer) copy is there already
+  [ -f "data/$2" ] || zcat "assets/distill/$1" > "data/$2"
+}
+unpack distill.jsonl.gz distill.jsonl
+unpack distill_clean.jsonl.gz distill_clean.jsonl
+unpack self_prompts.jsonl.gz distill_clean.self_prompts.jsonl
+unpack distill_self1.jsonl.gz distill_self1.jsonl
+unpack self_prompts_s1.jsonl.gz distill_self1.self_prompts.jsonl
+if [ "${GENERATE:-0}" = "1" ]; then
+  $PY -m offline.datagen --out data/distill_clean.jsonl --train-prompts 12335 --self-prompts 1380 \
+      --families gpteacher,self-instruct/user,self-instruct/seed,self/ \
+      --skip-answered assets/distill/distill.jsonl.gz --max-new-tokens 256
+  $PY -m offline.datagen --out data/distill_self1.jsonl --train-prompts 0 --self-prompts 1380 --seed 1 \
+      --max-new-tokens 256
 fi
-# the older 406k instruction-answer tokens ship compressed; their features are extracted once, cached beside them
-[ -f data/distill.jsonl ] || zcat assets/distill/distill.jsonl.gz > data/distill.jsonl
-DATA="$CHAT,data/distill.jsonl"
-$PY -m offline.train_hydra --data "$DATA" --extract-missing true --out assets/hydra "${RECIPE[@]}"
-$PY -m offline.train --data "$DATA" --extract-missing true --out assets/heads "${RECIPE[@]}"
-TREES=fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63,dynamic:128
-$PY -m offline.simulate --answers assets/results/mt_bench_answers.jsonl --trees $TREES \
-    --out assets/results/tokens_per_step.json
-$PY -m offline.simulate --answers assets/results/spec_mix_answers.jsonl --trees $TREES \
-    --out assets/results/tokens_per_step_second_set.json
+DATA=data/distill_clean.jsonl,data/distill_self1.jsonl,data/distill.jsonl
+if [ "${SHAREGPT:-0}" = "1" ]; then
+  .venv/bin/pip install -q -r requirements-datagen.txt
+  $PY -m offline.datagen --out data/distill_chat.jsonl --train-prompts 0 --self-prompts 0 --sharegpt 11000 \
+      --max-new-tokens 256
+  DATA=$DATA,data/distill_chat.jsonl
+fi
+# shellcheck disable=SC2086
+$PY -m offline.train_hydra --data "$DATA" --extract-missing true --out "$HYDRA_OUT" "${RECIPE[@]}" ${HYDRA_EXTRA:-}
+$PY -m offline.train --data "$DATA" --extract-missing true --out "$MEDUSA_OUT" "${RECIPE[@]}"
+if [ "${SIMULATE:-0}" = "1" ]; then  # after shipping new Medusa heads
+  TREES=fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63,dynamic:128
+  $PY -m offline.simulate --answers assets/results/mt_bench_answers.jsonl --trees $TREES \
+      --out assets/results/tokens_per_step.json
+  $PY -m offline.simulate --answers assets/results/spec_mix_answers.jsonl --trees $TREES \
+      --out assets/results/tokens_per_step_second_set.json
+fi
