@@ -18,19 +18,27 @@
     if (button) { event.preventDefault(); button.click(); }
   });
   // Gradio's plot draws every figure twice per update: Plotly.react, then Plots.resize (a 100 ms
-  // timer, then a full relayout). A plot that already has its box's size gains nothing from the
-  // second pass: skip it there (a plot whose box changed size, or a window resize, still resizes)
+  // timer, then a full relayout). A plot that still has its box's size once the layout settled
+  // (the same 100 ms) gains nothing from the second pass: skip it there (a plot whose box changed
+  // size, one shown late, or a window resize still resizes)
   const skipNeedlessResize = (plotly) => {
     if (!plotly || !plotly.Plots || plotly.Plots.labSkipsNeedlessResize) { return; }
     const resize = plotly.Plots.resize;
-    plotly.Plots.resize = function (gd) {
+    const fits = (gd) => {
       const drawn = gd && gd._fullLayout;
       const box = gd && typeof gd.getBoundingClientRect === 'function' ? gd.getBoundingClientRect() : null;
-      if (drawn && box && box.width > 0 && Math.abs(drawn.width - box.width) < 2
-          && Math.abs(drawn.height - box.height) < 2) {
-        return Promise.resolve(gd);
-      }
-      return resize.apply(this, arguments);
+      return Boolean(drawn && box && box.width > 0 && Math.abs(drawn.width - box.width) < 2
+        && Math.abs(drawn.height - box.height) < 2);
+    };
+    plotly.Plots.resize = function (gd) {
+      const self = this;
+      const args = arguments;
+      return new Promise((resolve, reject) => {
+        setTimeout(() => {
+          if (fits(gd)) { resolve(gd); return; }
+          resize.apply(self, args).then(resolve, reject);
+        }, 100);
+      });
     };
     plotly.Plots.labSkipsNeedlessResize = true;
   };

@@ -273,7 +273,7 @@ class DecodeSession:
             ids = torch.tensor(self.prompt_ids)
             out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)))
         self.last_hidden = out.hidden[-1]  # [H]
-        self._remember_hidden(out.hidden[-1:].clone())
+        self._remember_hidden(out.hidden[-1:].clone())  # [1, H] (a copy: not the whole prompt's states)
         logits = out.row(len(self.prompt_ids) - 1)  # [V]
         self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
         self.prefill_top_logits = _top2(logits)

@@ -153,8 +153,7 @@ def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8, bf1
         for i, row in enumerate(chunk):
             first, count = len(row["prompt_ids"]) - 1, len(row["answer_ids"])
             region = states[i, first:first + count]  # [count, H]: hidden at t predicts answer[j]
-            with fast:
-                logits = base.lm_head(region)  # [count, V]
+            logits = base.lm_head(region.to(base.lm_head.weight.dtype))  # [count, V] full precision: the target
             top = torch.topk(torch.softmax(logits.float(), dim=-1), TEACHER_TOP, dim=-1)
             parts.append(_answer_features(row["answer_ids"], region.cpu(), top.indices.cpu(), top.values.cpu()))
     return concat_features(parts)

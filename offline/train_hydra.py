@@ -39,7 +39,7 @@ def hydra_loss(heads: HydraHeads, vocabs: list[TrainVocab], embed_weight: torch.
     corrupts the hidden states and the path embeddings (Hydra++'s noise on the path)."""
     hidden = augment(features.hidden[index].float())  # [B, H]
     if heads.prefix is not None:
-        hidden = prefix_states(heads, hidden, index, features.remaining)  # [B, H]
+        hidden = prefix_states(heads, hidden, index, features, augment)  # [B, H]
     total = hidden.new_zeros(())
     accuracy = []
     for k in range(1, heads.config.num_heads + 1):
@@ -55,23 +55,34 @@ def hydra_loss(heads: HydraHeads, vocabs: list[TrainVocab], embed_weight: torch.
     return total, accuracy
 
 
-def prefix_states(heads: HydraHeads, hidden: torch.Tensor, index: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
-    """The prefix layer's output at each position of a batch, run causally over each stretch of
-    consecutive positions of one answer (`answer_order` makes stretches whole answers, except
-    where a batch boundary cuts one: its second part sees only itself)."""
+def prefix_states(heads: HydraHeads, hidden: torch.Tensor, index: torch.Tensor, features: Features,
+                  augment: Augment = Augment()) -> torch.Tensor:
+    """The prefix layer's output at each position of a batch (hidden [B, H] at `index`), run
+    causally over each stretch of consecutive positions of one answer, as decoding sees it: a
+    stretch that starts inside its answer (`answer_order` keeps answers whole, but a batch
+    boundary cuts one) gets the answer's earlier positions as context, without outputs."""
+    remaining = features.remaining
     breaks = (index[1:] != index[:-1] + 1) | (remaining[index[:-1]] == 0)  # [B-1]: a new stretch at t+1
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).flatten() + 1])
-    lengths = torch.diff(torch.cat([starts, torch.tensor([len(index)])]))  # [R]
-    stretches = nn.utils.rnn.pad_sequence(hidden.split(lengths.tolist()), batch_first=True)  # [R, T, H]
-    out = heads.context_states(stretches, lengths)  # [R, T, H]
-    return torch.cat([row[:length] for row, length in zip(out, lengths.tolist())])  # [B, H]
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).flatten() + 1])  # [R]
+    lengths = torch.diff(torch.cat([starts, torch.tensor([len(index)])])).tolist()  # R stretch lengths
+    pieces, contexts = [], []
+    for stretch, first in zip(hidden.split(lengths), index[starts].tolist()):
+        begin = first
+        while begin > 0 and remaining[begin - 1] != 0:  # back to the answer's first position
+            begin -= 1
+        context = augment(features.hidden[begin:first].float())  # [c, H]
+        pieces.append(torch.cat([context, stretch]))  # [c + n, H]
+        contexts.append(first - begin)
+    full = torch.tensor([len(piece) for piece in pieces], device=hidden.device)  # [R]
+    out = heads.context_states(nn.utils.rnn.pad_sequence(pieces, batch_first=True), full)  # [R, T, H]
+    return torch.cat([row[skip:skip + n] for row, skip, n in zip(out, contexts, lengths)])  # [B, H]
 
 
 def answer_order(remaining: torch.Tensor, seed: int) -> torch.Tensor:
     """Every position, answer by answer in a shuffled order of answers (positions in order)."""
     ends = torch.nonzero(remaining == 0).flatten() + 1  # [A] one past each answer's last position
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])
-    shuffled = torch.randperm(len(ends), generator=torch.Generator().manual_seed(seed))
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])  # [A]
+    shuffled = torch.randperm(len(ends), generator=torch.Generator().manual_seed(seed))  # [A]
     return torch.cat([torch.arange(starts[a], ends[a]) for a in shuffled.tolist()])
 
 

@@ -23,7 +23,9 @@ HYDRA_OUT=${HYDRA_OUT:-assets/hydra_candidate}
 RECIPE=(--epochs "$EPOCHS" --depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
 mkdir -p data
 unpack() {  # a committed answer file into data/, unless a (possibly longer) copy is there already
-  [ -f "data/$2" ] || zcat "assets/distill/$1" > "data/$2"
+  if [ -f "assets/distill/$1" ] && [ ! -s "data/$2" ]; then
+    zcat "assets/distill/$1" > "data/$2.partial" && mv "data/$2.partial" "data/$2"
+  fi
 }
 unpack distill.jsonl.gz distill.jsonl
 unpack distill_clean.jsonl.gz distill_clean.jsonl
@@ -37,7 +39,10 @@ if [ "${GENERATE:-0}" = "1" ]; then
   $PY -m offline.datagen --out data/distill_self1.jsonl --train-prompts 0 --self-prompts 1380 --seed 1 \
       --max-new-tokens 256
 fi
-DATA=data/distill_clean.jsonl,data/distill_self1.jsonl,data/distill.jsonl
+DATA=data/distill.jsonl
+for EXTRA in data/distill_clean.jsonl data/distill_self1.jsonl; do
+  [ -s "$EXTRA" ] && DATA=$DATA,$EXTRA
+done
 if [ "${SHAREGPT:-0}" = "1" ]; then
   .venv/bin/pip install -q -r requirements-datagen.txt
   $PY -m offline.datagen --out data/distill_chat.jsonl --train-prompts 0 --self-prompts 0 --sharegpt 11000 \

@@ -68,7 +68,7 @@ def test_expected_acceptance_takes_the_larger_of_head_and_chain_estimates():
 
 
 def _simulate_controller(profile: CostProfile, real_ms, accept_chance, steps: int = 240,
-                         seed: int = 0, kinds: list | None = None) -> tuple[list[float], list[float]]:
+                         seed: int = 0, kinds: list | None = None, draft_ms: float = 2.0) -> tuple[list[float], list[float]]:
     """Drive the real AutoBudget over a synthetic run: heads whose depth-d guess is right with
     `accept_chance` (given the depths before it), verify times from `real_ms(tokens)`, 2 ms of
     drafting on head steps (`accept_chance` may be a function of the step index). Returns
@@ -90,14 +90,14 @@ def _simulate_controller(profile: CostProfile, real_ms, accept_chance, steps: in
                 path = path + (0,)
                 accepted.append(path)
             step = record(draft, accepted)
-            verify, draft_ms = real_ms(draft.tree.num_nodes + 1) / 1000, 0.002
+            verify, drafting = real_ms(draft.tree.num_nodes + 1) / 1000, draft_ms / 1000
         else:
             outcome = TreeOutcome(tree=CandidateTree(paths=[], kind="autoregressive"), node_tokens=[0],
                                   node_scores=[1.0], accepted_nodes=[0], bonus_token=1, head_scores=[1.0])
             step = StepRecord(index=index, strategy="autoregressive", context_length=100, head_token_ids=[],
                               head_probs=[], outcome=outcome, new_tokens=[1], times=PhaseTimes())
-            verify, draft_ms = real_ms(1) / 1000, 0.0
-        step = replace(step, index=index, times=PhaseTimes(heads=draft_ms, verify=verify))
+            verify, drafting = real_ms(1) / 1000, 0.0
+        step = replace(step, index=index, times=PhaseTimes(heads=drafting, verify=verify))
         auto.observe(step)
         if kinds is not None:
             kinds.append(step.outcome.tree.num_nodes if step.strategy == DYNAMIC else -1)
@@ -241,3 +241,37 @@ def test_loss_ledger_books_gains_and_losses():
     assert ledger.room_ms(20.0) == pytest.approx(ledger.budget_ms(20.0) + 20.0)
     ledger.charge(step_ms=100.0, tokens=1, ms_per_token=20.0)
     assert ledger.room_ms(20.0) < 0
+
+
+def test_dear_drafting_and_a_spent_loss_budget_do_not_lock_trees_out():
+    """Drafting that costs 40 % of a plain step, heads wrong for 100 steps (the loss budget is
+    spent, the calibration pessimistic), then right 80 % of the time: trees come back and pay,
+    and the bad stretch cost little."""
+    real = lambda tokens: 20.0 if tokens == 1 else 22.0 + 0.4 * (tokens - 2)  # noqa: E731
+    exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 22.0, 46.8])
+    kinds: list[int] = []
+    tokens, times = _simulate_controller(exact, real, accept_chance=lambda i: 0.0 if i < 100 else 0.8,
+                                         steps=500, kinds=kinds, draft_ms=8.0)
+    from core.budget.controller import MAX_BACKOFF, MAX_EXPLORE_AFTER
+    first_tree = next(i for i in range(100, len(kinds)) if kinds[i] > 0)
+    assert first_tree - 100 <= MAX_EXPLORE_AFTER + 2 * MAX_BACKOFF, first_tree
+    assert sum(tokens[first_tree:]) / sum(times[first_tree:]) >= 1.3 / 20.0
+    assert sum(tokens[:100]) / sum(times[:100]) >= 0.95 / 20.0  # the bad stretch cost little
+
+
+def test_an_exploring_step_the_loss_budget_kept_plain_stays_due():
+    """A back-off ends while the heads' loss budget has no room: that step is plain, and the
+    explore comes on the first step the budget allows (it is not skipped for another back-off)."""
+    auto = AutoBudget(PROFILE)
+    plain = StepRecord(index=0, strategy="autoregressive", context_length=100, head_token_ids=[], head_probs=[],
+                       outcome=TreeOutcome(tree=CandidateTree(paths=[], kind="autoregressive"), node_tokens=[0],
+                                           node_scores=[1.0], accepted_nodes=[0], bonus_token=1, head_scores=[1.0]),
+                       new_tokens=[1], times=PhaseTimes(verify=0.02))
+    for index in range(40):
+        auto.observe(replace(plain, index=index))
+    auto.backoff, auto.plain_until, auto.last_tree_step = 16, auto.steps, 0
+    auto.ledger.loss_ms = auto.ledger.budget_ms(20.0) + 5.0  # no room for even one node
+    assert auto.state == "backing off" and not auto.use_heads()
+    while not auto.within_loss_budget():
+        auto.observe(replace(plain, index=auto.steps))
+    assert auto.steps > auto.plain_until and auto.state == "exploring" and auto.use_heads()

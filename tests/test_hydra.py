@@ -294,3 +294,20 @@ def test_features_extracted_under_bf16_autocast_match_fp32(base):
     error = (exact.hidden.float() - fast.hidden.float()).norm() / exact.hidden.float().norm()
     assert 0 < error < 0.05
     assert (exact.teacher_ids[:, 0] == fast.teacher_ids[:, 0]).float().mean() > 0.8
+
+
+def test_a_batch_that_starts_inside_an_answer_sees_the_answer_before_it(base):
+    """prefix_states on positions 3..9 of a 7- and a 5-position answer equals what one causal pass
+    over each whole answer gives there (the earlier positions enter as context)."""
+    from offline.train_hydra import prefix_states
+    heads = tiny_hydra(base, prefix_layer=True)
+    size = base.model.config.hidden_size
+    hidden = torch.randn(12, size).to(torch.bfloat16)
+    remaining = torch.cat([torch.arange(6, -1, -1), torch.arange(4, -1, -1)])
+    features = Features(hidden=hidden, remaining=remaining, tokens=torch.zeros(12, dtype=torch.long),
+                        teacher_ids=torch.zeros(12, 4).int(), teacher_probs=torch.zeros(12, 4).half())
+    index = torch.arange(3, 10)
+    with torch.no_grad():
+        got = prefix_states(heads, hidden[index].float(), index, features)  # [7, H]
+        first, second = heads.context_states(hidden[:7].float()), heads.context_states(hidden[7:].float())
+    assert torch.allclose(got, torch.cat([first[3:], second[:3]]), atol=1e-5)

@@ -71,9 +71,11 @@ class LossLedger:
     elapsed_ms: float = 0.0
 
     def charge(self, step_ms: float, tokens: int, ms_per_token: float) -> None:
+        """Book one heads step: its time minus what its tokens cost without the heads."""
         self.loss_ms += step_ms - tokens * ms_per_token
 
     def budget_ms(self, plain_step_ms: float) -> float:
+        """What the heads may have lost by now: LEDGER_START_STEPS plain steps + LOSS_SHARE of the run."""
         return LEDGER_START_STEPS * plain_step_ms + LOSS_SHARE * self.elapsed_ms
 
     def room_ms(self, plain_step_ms: float) -> float:
@@ -149,8 +151,10 @@ class AutoBudget:
             return "probing"
         if self.steps < self.plain_until or not self.within_loss_budget():
             return "backing off"
-        if self.backoff and self.steps == self.plain_until and self.steps - self.last_tree_step >= self.explore_after:
-            return "exploring"  # no tree for a whole back-off: the heads' evidence is stale
+        if self.backoff and self.steps >= self.plain_until and self.steps - self.last_tree_step >= self.explore_after:
+            # no tree for a whole back-off: the heads' evidence is stale. Due until a tree is
+            # verified (a step the loss budget kept plain leaves it due)
+            return "exploring"
         return "normal"
 
     @property
@@ -213,12 +217,15 @@ class AutoBudget:
         """Nodes to keep (a prefix of the best-first order) on top of a `context`-token cache;
         updates the back-off when the heads ran."""
         tree = draft.tree
+        expected, overhead = self.expected(draft), self.overhead_ms(heads_used)
+        uncut, rate = best_prefix(expected, tree.depths[1:], self.costs, overhead, context=context)
         most = self.affordable_nodes(tree.num_nodes, context) if heads_used else tree.num_nodes
-        size, rate = best_prefix(self.expected(draft)[:most], tree.depths[1:most + 1], self.costs,
-                                 self.overhead_ms(heads_used), context=context)
+        size = uncut  # the loss budget may cut the tree; whether trees pay is judged uncut
+        if uncut > most:
+            size, _ = best_prefix(expected[:most], tree.depths[1:most + 1], self.costs, overhead, context=context)
         exploring = self.exploring = heads_used and size == 0 and self.state == "exploring"
         if heads_used:
-            self._update_backoff(size, rate, context)
+            self._update_backoff(uncut, rate, context)
         if exploring:  # without a verified tree the heads' evidence could never change
             size = min(EXPLORE_NODES, most)  # once per back-off: the back-off itself goes on
         return size

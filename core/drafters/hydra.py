@@ -88,12 +88,15 @@ class HydraHead(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """x / RMS(x) * weight, computed in fp32."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., H]."""
         scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (x.float() * scale).to(x.dtype) * self.weight
 
@@ -108,6 +111,7 @@ class PrefixCache:
 
     @property
     def length(self) -> int:
+        """Positions cached."""
         return self.keys.shape[1]
 
 
@@ -143,7 +147,8 @@ class PrefixLayer(nn.Module):
         steps = hidden.shape[-2]
         allowed = torch.ones(steps, steps, dtype=torch.bool, device=hidden.device).tril()  # [T, T]
         if lengths is not None:  # padding is never a key (its own rows are discarded)
-            allowed = allowed & (torch.arange(steps, device=hidden.device) < lengths[:, None])[:, None, None, :]
+            keys = torch.arange(steps, device=hidden.device) < lengths.to(hidden.device)[:, None]  # [B, T]
+            allowed = allowed & keys[:, None, None, :]  # [B, 1, T, T]
         attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [B, h, T, d]
         return self._finish(hidden, attended)
 
@@ -151,7 +156,7 @@ class PrefixLayer(nn.Module):
         """Decoding: new positions hidden [n, H] after `cache` -> (their outputs [n, H], the longer cache)."""
         q, k, v = (self._split(part) for part in self.qkv(self.attn_norm(hidden)).chunk(3, dim=-1))  # [h, n, d]
         if cache is not None:
-            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
+            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [h, total, d]
         new, total = hidden.shape[0], k.shape[1]
         allowed = torch.ones(new, total, dtype=torch.bool, device=hidden.device).tril(total - new)  # [n, total]
         attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [h, n, d]
