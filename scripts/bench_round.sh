@@ -3,14 +3,16 @@
 # decoding on the lean forward and on transformers' forward (`ar@hf`: the engine before/after in one
 # run), transformers' own generate and its prompt lookup, on MT-Bench (every STRIDE-th prompt),
 # the second set and the collapse set, in the precision this machine decodes fastest in
-# (core.model.default_precision), plus fp32 where that is another one. SETS picks the sets.
+# (core.model.default_precision), plus fp32 where that is another one. SETS picks the sets;
+# REPEATS runs every strategy that many times per prompt (each row: the median-time run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 PY=.venv/bin/python
 OUT=assets/results
-ROUND=${ROUND:-round14}
+ROUND=${ROUND:-round15}
+REPEATS=${REPEATS:-1}
 STRIDE=${STRIDE:-8}
 SETS=${SETS:-"mtbench specmix collapse"}
 # round 8 measured the engine before/after (ar@hf, dynamic:auto@hf); STRATEGIES=... adds them back
@@ -24,7 +26,7 @@ for DTYPE in $DTYPES; do
       specmix) FILE=spec_mix.jsonl; ARGS="--stride $((STRIDE * 3 / 2)) --max-new-tokens 128" ;;
       collapse) FILE=adversarial.jsonl; ARGS="--stride 4 --max-new-tokens 64" ;;
     esac
-    $PY -m offline.bench --prompts assets/data/$FILE $ARGS --dtype $DTYPE --strategies $MAIN \
+    $PY -m offline.bench --prompts assets/data/$FILE $ARGS --dtype $DTYPE --strategies $MAIN --repeats "$REPEATS" \
         --out $OUT/bench_${ROUND}_${SET}_$DTYPE.json
   done
 done
