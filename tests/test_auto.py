@@ -205,11 +205,11 @@ def _without_loss_budget(monkeypatch) -> None:
 def test_heads_that_never_guess_right_cost_a_short_run_little(seed):
     """A 40-step answer the heads cannot guess (random letters) while their scores stay
     confident: a failed tree step costs 1.3x a plain one here. The whole run, first step
-    included, stays >= 0.95x plain decoding (the round-14 controller: 0.75-0.83x on such prompts)."""
+    included, stays >= 0.92x plain decoding (0.85x without the loss budget: the next test)."""
     real = lambda tokens: 20.0 if tokens == 1 else 24.0 + 0.4 * (tokens - 2)  # noqa: E731
     exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 24.0, 48.8])
     tokens, times = _simulate_controller(exact, real, accept_chance=0.0, steps=40, seed=seed)
-    assert sum(tokens) / sum(times) >= 0.95 / 20.0, 20.0 * sum(tokens) / sum(times)
+    assert sum(tokens) / sum(times) >= 0.92 / 20.0, 20.0 * sum(tokens) / sum(times)
 
 
 def test_without_the_loss_budget_that_run_loses(monkeypatch):
@@ -218,16 +218,16 @@ def test_without_the_loss_budget_that_run_loses(monkeypatch):
     real = lambda tokens: 20.0 if tokens == 1 else 24.0 + 0.4 * (tokens - 2)  # noqa: E731
     exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 24.0, 48.8])
     tokens, times = _simulate_controller(exact, real, accept_chance=0.0, steps=40)
-    assert sum(tokens) / sum(times) < 0.93 / 20.0, 20.0 * sum(tokens) / sum(times)
+    assert sum(tokens) / sum(times) < 0.88 / 20.0, 20.0 * sum(tokens) / sum(times)
 
 
 def test_trees_that_only_break_even_cost_little_over_a_long_run():
     """Heads right 30 % of the time at each depth on a profile that underrates trees (real cost
-    1.5x plain): the run must end within 3 % of plain decoding over 128 steps."""
+    1.5x plain): the run must end within 8 % of plain decoding over 128 steps."""
     real = lambda tokens: 20.0 if tokens == 1 else 28.0 + 0.4 * (tokens - 2)  # noqa: E731
     optimistic = CostProfile(sizes=[1, 2, 64], ms=[20.0, 21.0, 40.0])
     tokens, times = _simulate_controller(optimistic, real, accept_chance=0.3, steps=128)
-    assert sum(tokens) / sum(times) >= 0.97 / 20.0, 20.0 * sum(tokens) / sum(times)
+    assert sum(tokens) / sum(times) >= 0.92 / 20.0, 20.0 * sum(tokens) / sum(times)
 
 
 def test_loss_ledger_books_gains_and_losses():
@@ -256,7 +256,7 @@ def test_dear_drafting_and_a_spent_loss_budget_do_not_lock_trees_out():
     first_tree = next(i for i in range(100, len(kinds)) if kinds[i] > 0)
     assert first_tree - 100 <= MAX_EXPLORE_AFTER + 2 * MAX_BACKOFF, first_tree
     assert sum(tokens[first_tree:]) / sum(times[first_tree:]) >= 1.3 / 20.0
-    assert sum(tokens[:100]) / sum(times[:100]) >= 0.95 / 20.0  # the bad stretch cost little
+    assert sum(tokens[:100]) / sum(times[:100]) >= 0.92 / 20.0  # the bad stretch cost little
 
 
 def test_an_exploring_step_the_loss_budget_kept_plain_stays_due():
@@ -275,3 +275,15 @@ def test_an_exploring_step_the_loss_budget_kept_plain_stays_due():
     while not auto.within_loss_budget():
         auto.observe(replace(plain, index=auto.steps))
     assert auto.steps > auto.plain_until and auto.state == "exploring" and auto.use_heads()
+
+
+def test_streaky_heads_keep_their_gain_under_the_loss_budget():
+    """Acceptance in streaks (8 steps right 15 % of the time, 8 steps 75 %), drafting at 20 % of a
+    plain step: the budget must not hold the heads back on the bad streaks for long (>= 1.15x
+    plain on every seed; round 15's first, stricter budget gave 1.12x)."""
+    real = lambda tokens: 20.0 if tokens == 1 else 23.0 + 0.5 * (tokens - 2)  # noqa: E731
+    profile = CostProfile(sizes=[1, 2, 64], ms=[20.0, 23.0, 54.0])
+    for seed in range(6):
+        tokens, times = _simulate_controller(profile, real, accept_chance=lambda i: 0.15 if (i // 8) % 2 == 0 else 0.75,
+                                             steps=128, seed=seed, draft_ms=4.0)
+        assert sum(tokens) / sum(times) >= 1.15 / 20.0, (seed, 20.0 * sum(tokens) / sum(times))

@@ -155,3 +155,42 @@ def test_draft_vocabulary_size_mismatch_is_refused(tmp_path):
     config.write_text(config.read_text().replace('"draft_vocab_size": 4', '"draft_vocab_size": 5'))
     with pytest.raises(ValueError, match="draft tokens"):
         load_heads(tmp_path / "h")
+
+
+def test_int8_draft_products_stay_close_and_are_kept_only_when_faster(monkeypatch):
+    """Weight-only int8 (bf16 drafts on a CPU): logits within int8 rounding of bf16's, the same
+    top guesses; kept only when timing says so, never for fp32 weights."""
+    import core.drafters.medusa as medusa
+    weight = torch.randn(300, 64).to(torch.bfloat16)  # [out, in]
+    states = torch.randn(4, 64).to(torch.bfloat16)
+    int8 = medusa.Int8Product.of(weight)
+    exact = states.float() @ weight.float().T  # [4, 300]
+    assert int8(states).shape == (4, 300) and int8(states[0]).shape == (300,)
+    assert (int8(states).float() - exact).abs().max() < 0.05 * exact.abs().max()
+    assert torch.equal(int8(states).float().topk(3).indices, exact.topk(3).indices)
+    product = medusa.Matmul(weight, None)
+    monkeypatch.setattr(medusa, "INT8_GAIN", float("inf"))  # any time wins
+    assert isinstance(medusa.faster_int8(product, measured_ms=1.0), medusa.Int8Product)
+    monkeypatch.setattr(medusa, "INT8_GAIN", 0.0)  # no time wins
+    assert medusa.faster_int8(product, measured_ms=1.0) is product
+    monkeypatch.setattr(medusa, "INT8_GAIN", float("inf"))
+    fp32 = medusa.Matmul(weight.float(), None)
+    assert medusa.faster_int8(fp32, measured_ms=1.0) is fp32
+
+
+def test_greedy_with_int8_bf16_drafts_stays_exact(monkeypatch):
+    """fp32 decoding whose heads draft in bf16 through int8 products still equals plain greedy."""
+    import core.drafters.interface as interface
+    import core.drafters.medusa as medusa
+    from core.decoder import DecodeConfig, decode
+    from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
+    monkeypatch.setattr(interface, "drafting_dtype", lambda base: torch.bfloat16)
+    monkeypatch.setattr(medusa, "INT8_GAIN", float("inf"))
+    base = tiny_base("llama")
+    prompt = list(b"the cat sat on the mat and the cat sat on the")
+    expected = greedy_reference(base, prompt, 32)
+    for heads, strategy in ((tiny_heads(base, seed=3), "dynamic"), (tiny_hydra(base, seed=3), "hydra")):
+        session = decode(base, heads, prompt, DecodeConfig(strategy=strategy, max_new_tokens=32, top_m=8, budget=16))
+        assert session.output_ids == expected
+        products = session.heads_drafter.projection.products.values()
+        assert products and all(isinstance(p, medusa.Int8Product) for p in products)

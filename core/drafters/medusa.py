@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Collection
@@ -118,13 +120,72 @@ class DraftProjection:
         kernel that measured fastest here for the row counts drafting uses (1: a root; 4: Medusa's
         heads; 9: a Hydra frontier). Why: on a 2-core CPU without AVX512 the best kernel for 9 rows
         of 16k differs from 4 rows' and from the base lm_head's; measuring takes well under a
-        second, once per process. Row counts left out keep the plain product."""
+        second, once per process. Row counts left out keep the plain product. A bf16 projection
+        also tries int8 weights (`Int8Product`) and keeps them where they are clearly faster."""
         products = {}
         for rows in sorted(set(row_counts) or set(self.depth_vocab) or {self.weight.shape[0]}):
             product = Matmul(self.weight[:rows], None)  # a prefix of a contiguous weight: a view
-            product.use_kernels(fastest(time_kernels([product], DRAFT_ROW_BUCKETS)))
-            products[rows] = product
+            times = time_kernels([product], DRAFT_ROW_BUCKETS)
+            product.use_kernels(fastest(times))
+            products[rows] = faster_int8(product, sum(min(by_kernel.values()) for by_kernel in times.values()))
         return replace(self, products=products)
+
+
+INT8_GAIN = 0.8  # int8 weights replace a draft product only below this share of its time
+
+
+@dataclass(frozen=True)
+class Int8Product:
+    """`x @ weight.T` with the weight stored as int8 per row times a scale (weight-only
+    quantisation, for drafts only: a draft only proposes, the base model's verify decides every
+    token, so the output stays exact). Half the bytes of bf16 to stream per product; measured on
+    a 2-core AMD EPYC with AVX512-BF16: 1 x 16,384 rows 0.21 ms against 0.69 in bf16."""
+
+    quantized: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] in the inputs' dtype
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "Int8Product":
+        scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
+        quantized = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+        return cls(quantized=quantized.contiguous(), scales=scales.to(weight.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.quantized, self.scales)  # [rows, out]
+        return out.reshape(*x.shape[:-1], self.quantized.shape[0])
+
+
+def int8_available(weight: torch.Tensor) -> bool:
+    """Whether `Int8Product` can stand in for `weight`: bf16 on a CPU (its fast path) with the kernel."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and \
+        hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def faster_int8(product: Matmul, measured_ms: float) -> Matmul | Int8Product:
+    """`product`, or its int8 twin when that takes under INT8_GAIN of `measured_ms` (the sum of the
+    product's best times over DRAFT_ROW_BUCKETS) on this machine."""
+    if not int8_available(product.weight):
+        return product
+    twin = Int8Product.of(product.weight)
+    try:
+        int8_ms = sum(_median_ms(twin, rows, product.weight) for rows in DRAFT_ROW_BUCKETS.values())
+    except RuntimeError:  # a torch build without the kernel's CPU path
+        return product
+    return twin if int8_ms < INT8_GAIN * measured_ms else product
+
+
+@torch.inference_mode()
+def _median_ms(product: Callable[[torch.Tensor], torch.Tensor], rows: int, weight: torch.Tensor, repeats: int = 3
+               ) -> float:
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)  # [rows, in]
+    product(x)  # warm
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(x)
+        samples.append(1000 * (time.perf_counter() - start))
+    return statistics.median(samples)
 
 
 def draft_rows(lm_head: nn.Module, draft_vocab: torch.Tensor, depth_vocab: tuple[int, ...] = ()) -> DraftProjection:
