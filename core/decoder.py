@@ -273,7 +273,7 @@ class DecodeSession:
             ids = torch.tensor(self.prompt_ids)
             out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)))
         self.last_hidden = out.hidden[-1]  # [H]
-        self._remember_hidden(out.hidden[-1:].clone())  # [1, H] (a copy: not the whole prompt's states)
+        self._remember_hidden(out.hidden, slice(-1, None))
         logits = out.row(len(self.prompt_ids) - 1)  # [V]
         self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
         self.prefill_top_logits = _top2(logits)
@@ -307,10 +307,11 @@ class DecodeSession:
         return DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden,
                             history=self.hidden_history)
 
-    def _remember_hidden(self, hidden: torch.Tensor) -> None:
-        """Keep this step's accepted positions' hidden states [k, H] when a drafter reads them."""
+    def _remember_hidden(self, hidden: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        """Keep the accepted positions' rows of this forward's hidden states [n, H] when a drafter
+        reads them (a copy: a prefill's other rows are not kept alive); nothing otherwise."""
         if self.keeps_history:
-            self.hidden_history.append(hidden)
+            self.hidden_history.append(hidden[rows].clone())  # [k, H]
 
     def _texts(self, ids: list[int]) -> list[str]:
         return self.base.token_texts(ids) if self.config.record_texts else []
@@ -342,7 +343,7 @@ class DecodeSession:
         top_logits = _top2(logits)  # the margin of this choice, for near-tie checks
         t2 = _clock(device)
         self.last_hidden, self.root_token = out.hidden[0], bonus
-        self._remember_hidden(out.hidden[:1])
+        self._remember_hidden(out.hidden, slice(0, 1))
         root = int(self.output_ids[-1])
         outcome = TreeOutcome(tree=CandidateTree(paths=[], kind=AUTOREGRESSIVE), node_tokens=[root],
                               node_scores=[1.0], accepted_nodes=[0], bonus_token=bonus,
@@ -433,9 +434,10 @@ class DecodeSession:
             compare_seconds += rival_seconds
         outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(draft)
         c0 = _clock(device)
-        keep_accepted(self.cache, context, torch.tensor(outcome.accepted_nodes, device=device))
+        accepted = torch.tensor(outcome.accepted_nodes, device=device)  # [k] root first
+        keep_accepted(self.cache, context, accepted)
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
-        self._remember_hidden(out.hidden[torch.tensor(outcome.accepted_nodes, device=device)])  # [k, H]
+        self._remember_hidden(out.hidden, accepted)
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
         self._observe_chains(drafted, draft, outcome.accepted_tokens)

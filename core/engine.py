@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -535,22 +536,17 @@ def fastest(times: dict[int, dict[str, float]]) -> dict[int, str]:
 def _time_kernel(matmuls: list[Matmul], kernel: str, bucket: int, rows: int, repeats: int) -> float:
     """Median ms of all `matmuls` on `rows` rows with `kernel` (exceptions count as infinitely slow)."""
     saved = [m.kernels.get(bucket) for m in matmuls]
-    inputs: dict[int, torch.Tensor] = {}
-    samples = []
+    inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device)
+              for m in matmuls}  # [rows, in] per input width
+
+    def run_all() -> None:
+        for m in matmuls:
+            m(inputs[m.weight.shape[1]])
+
     try:
-        with torch.inference_mode():
-            for m in matmuls:
-                m.kernels[bucket] = kernel
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                for m in matmuls:
-                    width = m.weight.shape[1]
-                    if width not in inputs:
-                        inputs[width] = torch.randn(rows, width, dtype=m.weight.dtype, device=m.weight.device)
-                    m(inputs[width])
-                if m.weight.device.type == "cuda":
-                    torch.cuda.synchronize()
-                samples.append(time.perf_counter() - start)
+        for m in matmuls:
+            m.kernels[bucket] = kernel
+        return median_ms(run_all, repeats, matmuls[0].weight.device)
     except RuntimeError as error:
         log.warning("kernel %s failed for %d rows: %s", kernel, rows, error)
         return float("inf")
@@ -560,8 +556,22 @@ def _time_kernel(matmuls: list[Matmul], kernel: str, bucket: int, rows: int, rep
                 m.kernels.pop(bucket, None)
             else:
                 m.kernels[bucket] = old
-    samples = sorted(samples[1:])
-    return samples[len(samples) // 2] * 1e3
+
+
+@torch.inference_mode()
+def median_ms(call: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
+    """Median wall ms of `repeats` calls of `call` after one untimed warm-up call (the upper middle
+    one for an even count); on a GPU each call is waited for."""
+    def timed() -> float:
+        start = time.perf_counter()
+        call()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - start)
+
+    timed()
+    samples = sorted(timed() for _ in range(repeats))
+    return samples[len(samples) // 2]
 
 
 def _share_rows(linears: tuple[nn.Linear, ...], fused: torch.Tensor) -> None:

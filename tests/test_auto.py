@@ -126,15 +126,15 @@ def test_the_old_controller_fails_that_case():
     wrong = CostProfile(sizes=[1, 2, 64], ms=[34.0, 34.0, 60.0])
     real = lambda tokens: 20.0 if tokens == 1 else 34.0 + 0.4 * (tokens - 2)  # noqa: E731
     original = (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor,
-                auto_module.AutoBudget.within_loss_budget)
+                auto_module.AutoBudget.loss_fits)
     try:
         auto_module.AutoBudget.probe_plain = lambda self: False
         auto_module.CostCorrection.factor = lambda self, tokens: 1.0
-        auto_module.AutoBudget.within_loss_budget = lambda self, nodes=1, context=None: True
+        auto_module.AutoBudget.loss_fits = lambda self, context=None: lambda nodes: True
         tokens, times = _simulate_controller(wrong, real, accept_chance=0.3)
     finally:
         (auto_module.AutoBudget.probe_plain, auto_module.CostCorrection.factor,
-         auto_module.AutoBudget.within_loss_budget) = original
+         auto_module.AutoBudget.loss_fits) = original
     assert sum(tokens[20:]) / sum(times[20:]) < 0.9 / 20.0
 
 
@@ -198,7 +198,7 @@ def test_root_only_steps_count_in_no_measured_rate():
 
 
 def _without_loss_budget(monkeypatch) -> None:
-    monkeypatch.setattr(AutoBudget, "within_loss_budget", lambda self, nodes=1, context=None: True)
+    monkeypatch.setattr(AutoBudget, "loss_fits", lambda self, context=None: lambda nodes: True)
 
 
 @pytest.mark.parametrize("seed", range(4))

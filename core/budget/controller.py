@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Callable
 
 from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, plain_rate
 from core.records import StepRecord
@@ -180,17 +181,23 @@ class AutoBudget:
     def within_loss_budget(self, nodes: int = 1, context: int | None = None) -> bool:
         """True when a heads step verifying `nodes` nodes stays within the run's loss budget even
         if it accepts nothing."""
+        return self.loss_fits(context)(nodes)
+
+    def loss_fits(self, context: int | None = None) -> Callable[[int], bool]:
+        """Whether a tree of n nodes on top of a `context`-token cache (default: the last step's)
+        stays within the loss budget if it accepts nothing; the rates it needs are read once."""
         context = context if context is not None else (self.records[-1].context_length if self.records else None)
         plain_ms = self._plain_ms_per_token(context)
-        worst = self.costs.cost(nodes + 1, context) + self.overhead_ms(heads_used=True) - plain_ms
-        return worst <= self.ledger.room_ms(plain_ms)
+        room, overhead = self.ledger.room_ms(plain_ms), self.overhead_ms(heads_used=True)
+        return lambda nodes: self.costs.cost(nodes + 1, context) + overhead - plain_ms <= room
 
     def affordable_nodes(self, most: int, context: int) -> int:
-        """The largest tree size up to `most` that `within_loss_budget` allows (0: the root alone)."""
+        """The largest tree size up to `most` that the loss budget allows (0: the root alone)."""
+        fits = self.loss_fits(context)
         low, high = 0, most  # cost grows with size: bisect
         while low < high:
             middle = (low + high + 1) // 2
-            if self.within_loss_budget(middle, context):
+            if fits(middle):
                 low = middle
             else:
                 high = middle - 1

@@ -131,9 +131,10 @@ class PrefixLayer(nn.Module):
         nn.init.zeros_(self.out.weight)  # a fresh layer is the identity
         nn.init.zeros_(self.down.weight)
 
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., T, H] -> [..., heads, T, d]."""
-        return x.unflatten(-1, (self.num_heads, -1)).transpose(-3, -2)
+    def _queries_keys_values(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [..., T, H] -> q, k, v, each [..., heads, T, d]."""
+        return tuple(part.unflatten(-1, (self.num_heads, -1)).transpose(-3, -2)
+                     for part in self.qkv(self.attn_norm(hidden)).chunk(3, dim=-1))
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         x = x + self.out(attended.transpose(-3, -2).flatten(-2))  # [..., T, H]
@@ -143,7 +144,7 @@ class PrefixLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Training / evaluation: hidden [B, T, H] (rows right-padded to `lengths`) -> [B, T, H];
         position t attends to positions <= t of its own row."""
-        q, k, v = (self._split(part) for part in self.qkv(self.attn_norm(hidden)).chunk(3, dim=-1))  # [B, h, T, d]
+        q, k, v = self._queries_keys_values(hidden)  # [B, h, T, d] each
         steps = hidden.shape[-2]
         allowed = torch.ones(steps, steps, dtype=torch.bool, device=hidden.device).tril()  # [T, T]
         if lengths is not None:  # padding is never a key (its own rows are discarded)
@@ -154,7 +155,7 @@ class PrefixLayer(nn.Module):
 
     def extend(self, cache: PrefixCache | None, hidden: torch.Tensor) -> tuple[torch.Tensor, PrefixCache]:
         """Decoding: new positions hidden [n, H] after `cache` -> (their outputs [n, H], the longer cache)."""
-        q, k, v = (self._split(part) for part in self.qkv(self.attn_norm(hidden)).chunk(3, dim=-1))  # [h, n, d]
+        q, k, v = self._queries_keys_values(hidden)  # [h, n, d] each
         if cache is not None:
             k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [h, total, d]
         new, total = hidden.shape[0], k.shape[1]

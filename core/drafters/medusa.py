@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Collection
@@ -31,7 +29,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from core.engine import Matmul, fastest, time_kernels
+from core.engine import Matmul, fastest, median_ms, time_kernels
 from core.model import REPO_ROOT, linear_rows
 from core.strategy import MAX_TOP_M
 
@@ -168,24 +166,13 @@ def faster_int8(product: Matmul, measured_ms: float) -> Matmul | Int8Product:
     if not int8_available(product.weight):
         return product
     twin = Int8Product.of(product.weight)
+    inputs = [torch.randn(rows, product.weight.shape[1], dtype=product.weight.dtype)  # [rows, in]
+              for rows in DRAFT_ROW_BUCKETS.values()]
     try:
-        int8_ms = sum(_median_ms(twin, rows, product.weight) for rows in DRAFT_ROW_BUCKETS.values())
+        int8_ms = sum(median_ms(lambda x=x: twin(x), repeats=3) for x in inputs)
     except RuntimeError:  # a torch build without the kernel's CPU path
         return product
     return twin if int8_ms < INT8_GAIN * measured_ms else product
-
-
-@torch.inference_mode()
-def _median_ms(product: Callable[[torch.Tensor], torch.Tensor], rows: int, weight: torch.Tensor, repeats: int = 3
-               ) -> float:
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)  # [rows, in]
-    product(x)  # warm
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product(x)
-        samples.append(1000 * (time.perf_counter() - start))
-    return statistics.median(samples)
 
 
 def draft_rows(lm_head: nn.Module, draft_vocab: torch.Tensor, depth_vocab: tuple[int, ...] = ()) -> DraftProjection:
