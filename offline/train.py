@@ -35,7 +35,7 @@ from tqdm import tqdm
 from offline.datagen import TEACHER_TOP, generate_batch, load_captured
 from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads
 from core.machine import cpu_name
-from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16_batched, load_base_model
 from offline.simulate import head_proposals
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
@@ -194,7 +194,7 @@ def load_training_features(base: BaseModel, paths: list[Path], extract_missing: 
             if cache.exists():
                 extracted = Features(**torch.load(cache, weights_only=True))
             else:
-                extracted = extract_features(base, missing, bf16=fast_bf16())
+                extracted = extract_features(base, missing, bf16=fast_bf16_batched())
                 torch.save(asdict(extracted), cache)
             parts.append(extracted)
             used += missing
@@ -214,7 +214,7 @@ class TrainVocab:
 
     weight: torch.Tensor  # [V', H]
     index_of: torch.Tensor  # [V] long: each vocabulary id's row in `weight`, -1 if not drafted
-    bf16: bool = False  # project under bf16 autocast (only where bf16 is fast: `core.model.fast_bf16`)
+    bf16: bool = False  # project under bf16 autocast (only where bf16 is fast: `core.model.fast_bf16_batched`)
 
     def prefix(self, rows: int) -> "TrainVocab":
         """The first `rows` rows only (a deeper head's `depth_vocab`): tokens past them are not drafted."""
@@ -346,7 +346,7 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig,
                                     vocab_size=vocab_size, draft_vocab_size=draft_size,
                                     depth_vocab=config.depth_sizes))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
-    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
+    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16_batched())
     vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
     fit(heads, lambda index: head_loss(heads, vocabs, features, index, config.decay, config.augment),
         features.hidden.shape[0], config, checkpoint, features_fingerprint(features))
@@ -470,7 +470,7 @@ def run_training(config: TrainConfig, train: Callable[[BaseModel, Features, Trai
     report = evaluate(base, heads, sets)
     times["eval_s"] = round(time.time() - eval_started, 1)
     report = {"config": asdict(config), "data": asdict(card), "times": times, "cpu": cpu_name(),
-              "bf16_autocast": fast_bf16(), **report}
+              "bf16_autocast": fast_bf16_batched(), **report}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("times", "held_out")}, indent=1))
     return report

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from core.drafters.medusa import MedusaHeads, default_heads
 from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
-from core.model import BaseModel, fast_bf16
+from core.model import BaseModel, fast_bf16_batched
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate
 from core.tree import CandidateTree
@@ -99,7 +99,7 @@ def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
                                    prefix_layer=config.prefix_layer, prefix_heads=model_config.num_attention_heads,
                                    prefix_mlp=model_config.intermediate_size))
     heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
-    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16())
+    vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16_batched())
     vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]
     # the prefix layer reads an answer's positions in order: batches of whole answers

@@ -211,6 +211,21 @@ def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkey
     assert core.model.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
 
 
+@pytest.mark.parametrize("fp32_ms, bf16_ms, tree_ratio, lab, batched", [
+    (12.2, 13.2, 1.90, "fp32", True),  # a Xeon with AMX: a plain step memory bound, many rows fast
+    (10.0, 5.0, 1.5, "bf16", True), (10.0, 5.0, 0.4, "fp32", False),  # AVX2 without bf16 instructions
+])
+def test_batched_work_takes_bf16_where_many_row_products_are_fast(monkeypatch, fp32_ms, bf16_ms, tree_ratio, lab,
+                                                                  batched):
+    """Feature extraction and training follow the 8-row products, the lab's default both."""
+    import core.model
+    choice = core.model.PrecisionChoice(dtype=lab, fp32_ms=fp32_ms, bf16_ms=bf16_ms, device="cpu",
+                                        fp32_tree_ms=20.0, bf16_tree_ms=20.0 / tree_ratio)
+    monkeypatch.setattr(core.model, "precision_choice", lambda: choice)
+    assert core.model.fast_bf16() == (lab == "bf16")
+    assert core.model.fast_bf16_batched() == batched
+
+
 @pytest.mark.parametrize("family", ["medusa", "hydra"])
 def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     """Where bf16 is fast the heads draft in bf16 even for an fp32 run: the drafts change, the
