@@ -35,7 +35,7 @@ from core.drafters.hydra import HydraHeads, default_hydra_heads, load_hydra_head
 from core.strategy import AUTOREGRESSIVE, HF, HYDRA, LOOKUP_TOKENS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name
-from core.model import BaseModel, ModelConfig, fast_bf16, load_base_model, precision_choice
+from core.model import BaseModel, ModelConfig, fast_bf16, fast_bf16_batched, load_base_model, precision_choice
 from core.sampling import SamplingConfig
 
 DEFAULT_STRATEGIES = "ar,fixed:mc_sim_7b_63,dynamic:63"
@@ -325,6 +325,7 @@ def main() -> None:
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
         "hydra": None if hydra is None else str(args.hydra or "assets/hydra"),
         "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": cpu_name(), "fast_bf16": fast_bf16(),
+                   "fast_bf16_batched": fast_bf16_batched(),
                    "default_precision": precision_choice().describe(), "engine": base.engine_name,
                    "cuda": torch.cuda.get_device_name() if base.device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

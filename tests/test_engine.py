@@ -232,7 +232,7 @@ def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     fp32 verify keeps the output equal to plain greedy."""
     import core.drafters.interface
     from tests.tiny import tiny_hydra
-    monkeypatch.setattr(core.drafters.interface, "fast_bf16", lambda: True)
+    monkeypatch.setattr(core.drafters.interface, "fast_bf16_batched", lambda: True)
     base = tiny_base("llama")
     heads = tiny_heads(base) if family == "medusa" else tiny_hydra(base)
     drafting, _, dtype = core.drafters.interface.heads_for_drafting(heads, base)

@@ -18,7 +18,7 @@ def test_simulation_matches_decoder(base_fp32, shipped_heads, mt_bench_prompts, 
     # the heads draft in fp32 here: where bf16 is fast they draft in bf16, and a bf16 product of one
     # row (a decoding step) and of a whole answer's rows (the simulation) can round a near-tie
     # among the heads' ranks apart (CI on an AVX512-BF16 CPU: 1.958 vs 2.000 tokens per step)
-    monkeypatch.setattr("core.drafters.interface.fast_bf16", lambda: False)
+    monkeypatch.setattr("core.drafters.interface.fast_bf16_batched", lambda: False)
     # both on transformers' forward: the lean forward picks its projection kernels by timing on each
     # machine, so its rounding (and with it a near-tie among the heads' ranks) can differ from the
     # teacher-forced forward the simulator runs; on one forward the simulation is exact
