@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, fast_bf16_batched, load_base_model
 from core.sampling import SamplingConfig, sampling_probs
 from offline.sharegpt import load_sharegpt_prompts
 
@@ -391,6 +391,12 @@ def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
     return rows, found
 
 
+def generation_precision() -> str:
+    """Batched generation's precision: 64 slots decode as many-row products, so bf16 wherever those are
+    fast, even where a plain step is not (Xeon with AMX: 406 tokens/s in bf16 at 64 slots)."""
+    return "bf16" if fast_bf16_batched() else default_precision()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "distill.jsonl")
@@ -401,14 +407,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="answers per written shard")
     parser.add_argument("--slots", type=int, default=64, help="rows decoded together (continuous batching)")
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
-                        help="default: the faster precision on this CPU (core.model.default_precision)")
+                        help="default: bf16 where many-row products are fast here (core.model.fast_bf16_batched), "
+                             "else the lab's default precision")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", default="", help="comma-separated source prefixes to answer, e.g. gpteacher,self/")
     parser.add_argument("--skip-answered", default="", help="comma-separated answer files whose prompts are done")
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
                        sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, slots=args.slots,
-                       dtype=args.dtype or default_precision(), seed=args.seed,
+                       dtype=args.dtype or generation_precision(), seed=args.seed,
                        families=tuple(f for f in args.families.split(",") if f),
                        skip_answered=tuple(Path(f) for f in args.skip_answered.split(",") if f))
     config.out.parent.mkdir(parents=True, exist_ok=True)

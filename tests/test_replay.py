@@ -192,6 +192,20 @@ def test_a_bad_upload_leaves_the_page_and_its_replay_working():
     assert uploaded[0].source.startswith("upload:") and replay.total_steps(uploaded[0]) > 0
 
 
+def test_a_replayed_step_draws_the_next_one_ahead():
+    import app
+
+    state = app.on_pick("dynamic_vs_fixed")[0]
+    for shown in (1, 2):
+        state = app.on_replay_step(state)[0]
+        app.LOOK_AHEAD.submit(lambda: None).result()  # one worker: the look-ahead before it has finished
+        assert app._recorded_view.cache_info().currsize > 0
+        hits = app._recorded_view.cache_info().hits
+        ahead = app._recorded_view(replay.moved(state, shown + 1), "")
+        assert app._recorded_view.cache_info().hits == hits + 1  # already drawn: Step finds it cached
+        assert ahead.status == app._recorded_view.__wrapped__(replay.moved(state, shown + 1), "").status
+
+
 def test_replay_only_mode_imports_neither_torch_nor_transformers():
     code = ("import sys, app; from labstate import replay; from viz.view import build_view; "
             "s = replay.step(replay.open_gallery(replay.gallery()[0].name)); build_view(replay.replay_facts(s), 0); "
