@@ -27,3 +27,12 @@ def cpu_name() -> str:
 def cpu_fingerprint() -> str:
     """The CPU's model name and feature flags (AVX512-BF16 and friends decide the fast paths)."""
     return f"{cpu_name()}|{_cpuinfo_fields().get('flags', '')}"
+
+
+BUSY_SPREAD = 0.15  # repeated timings of one thing may differ this much on a quiet machine
+
+
+def measured_quietly(*same_thing_ms: float) -> bool:
+    """True when repeated timings of the same work agree within BUSY_SPREAD: nothing else competed for
+    the cores, so a measurement taken between them may be cached for later runs."""
+    return max(same_thing_ms) <= (1 + BUSY_SPREAD) * min(same_thing_ms)

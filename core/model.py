@@ -27,7 +27,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynam
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
-from core.machine import cpu_fingerprint
+from core.machine import cpu_fingerprint, measured_quietly
 
 if TYPE_CHECKING:
     from core.engine import LeanLlama, StaticCache
@@ -343,6 +343,11 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     measured = PrecisionChoice(dtype="fp32", fp32_ms=round(fp32_ms, 2), bf16_ms=round(bf16_ms, 2), device="cpu",
                                fp32_tree_ms=round(fp32_tree_ms, 2), bf16_tree_ms=round(bf16_tree_ms, 2))
     choice = dataclasses.replace(measured, dtype=_decided(measured))
+    if not measured_quietly(fp32_ms, _time_products(torch.float32)):
+        # a busy machine (a generator beside it once timed bf16 at 14x fp32 on a Xeon where it is 1.1x):
+        # decide for this process only, measure again next time
+        log.warning("the machine was busy while measuring precision; not caching %s", choice.describe())
+        return choice
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(choice)))

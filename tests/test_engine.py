@@ -211,6 +211,19 @@ def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkey
     assert core.model.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
 
 
+def test_a_precision_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch):
+    """Two timings of the same fp32 products that disagree say something competed for the cores."""
+    import core.model
+    fp32_samples = iter([10.0, 18.0])  # the plain step's products, then the same products again
+    timings = {(torch.bfloat16, 1): 140.0, (torch.float32, 8): 20.0, (torch.bfloat16, 8): 10.0}
+    monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.model, "_time_products",
+                        lambda dtype, rows=1: next(fp32_samples) if (dtype, rows) == (torch.float32, 1)
+                        else timings[dtype, rows])
+    choice = core.model.precision_choice.__wrapped__(tmp_path)
+    assert choice.dtype == "fp32" and not list(tmp_path.rglob("*.json"))  # this run decides; nothing is kept
+
+
 @pytest.mark.parametrize("fp32_ms, bf16_ms, tree_ratio, lab, batched", [
     (12.2, 13.2, 1.90, "fp32", True),  # a Xeon with AMX: a plain step memory bound, many rows fast
     (10.0, 5.0, 1.5, "bf16", True), (10.0, 5.0, 0.4, "fp32", False),  # AVX2 without bf16 instructions

@@ -39,7 +39,7 @@ import transformers
 
 from core.model import CACHE_DIR, BaseModel
 from core.kvcache import truncate
-from core.machine import cpu_fingerprint
+from core.machine import cpu_fingerprint, measured_quietly
 from core.tree import CandidateTree, chain_tree
 from core.verify import forward_tokens, verify_tree
 
@@ -162,9 +162,6 @@ def verify_profile(base: BaseModel, cache_dir: Path = CACHE_DIR / "profiles") ->
         return _load_or_measure(base, cache_dir)
 
 
-BUSY_SPREAD = 0.15  # one-token costs measured before and after a profile may differ this much
-
-
 def _load_or_measure(base: BaseModel, cache_dir: Path) -> CostProfile:
     path = cache_dir / f"{profile_key(base).digest()}.json"
     if path.exists():
@@ -180,12 +177,6 @@ def _load_or_measure(base: BaseModel, cache_dir: Path) -> CostProfile:
     except OSError:
         pass  # read-only checkout: measure again next start
     return profile
-
-
-def measured_quietly(*one_token_ms: float) -> bool:
-    """True when repeated one-token measurements agree within BUSY_SPREAD (nothing else was
-    competing for the cores while the profile was taken)."""
-    return max(one_token_ms) <= (1 + BUSY_SPREAD) * min(one_token_ms)
 
 
 CALIBRATION_DECAY = 0.95
