@@ -60,6 +60,7 @@ def _outputs(view: View) -> tuple:
     control = view.step_slider
     values["step_slider"] = gr.Slider(
         minimum=1, maximum=max(control.count, 2), value=control.value, interactive=control.count > 1,
+        visible=control.count > 1,  # nothing to revisit before a second step (no "1 … 2" on an empty page)
         label=f"Revisit a step (1 … {control.count}): drag, or type a number and press Enter" if control.count
         else "Revisit a step (after the first step)")
     values["notice"] = gr.Markdown(view.notice, visible=bool(view.notice))  # no empty box beside a live tree
@@ -190,9 +191,17 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
         yield _answer(request, error, _user_view(request))
 
 
-def on_view(step_index: float, request: gr.Request = None) -> tuple:
-    """Show a past step (steps count from 1)."""
-    return _guarded(request, lambda: render(SESSIONS.get(_session_key(request)), index=labstate.parse_step_index(step_index)))
+def on_view(step_index: float, shown: replay.Replay | None = None, request: gr.Request = None) -> tuple:
+    """Show a past step (steps count from 1) of what the page shows: the replay `shown` (a recording picked
+    or uploaded since the last live event), else the user's live run."""
+    if shown is not None:
+        return on_replay_view(step_index, shown)
+    return (None, *_guarded(request, lambda: render(SESSIONS.get(_session_key(request)),
+                                                    index=labstate.parse_step_index(step_index))))
+
+
+def _forget_replay() -> None:
+    """A live event draws the live run: the Revisit slider must revisit that run, not an earlier replay."""
 
 
 def on_check(request: gr.Request = None) -> tuple:
@@ -344,7 +353,7 @@ def _view_panel() -> dict[str, gr.components.Component]:
             "stats": gr.HTML(blank.stats, elem_id="stats", label="stats"),
             "text": gr.HTML(blank.text, elem_id="gen-text", label="text"),
             "step_slider": gr.Slider(1, 2, value=1, step=1, label="Revisit a step (after the first step)",
-                                     interactive=False, elem_id="step-slider")}
+                                     interactive=False, visible=False, elem_id="step-slider")}
     with gr.Tabs():
         with gr.Tab("Trees: dynamic vs fixed"):
             with gr.Row(equal_height=False):  # what to notice beside the tree (below it when narrow)
@@ -376,8 +385,10 @@ def _view_panel() -> dict[str, gr.components.Component]:
     return view
 
 
-def _wire_live(controls: dict, view: list) -> None:
+def _wire_live(controls: dict, view: list, shown_replay: gr.State) -> None:
     """The live decoding events (API names start, step, run, stop, reset, check, view, trace)."""
+    for name in ("start", "step", "run", "stop", "reset", "check"):  # the page shows the live run again
+        controls[name].click(_forget_replay, None, [shown_replay], api_visibility="private", queue=False)
     inputs, clicked_at = [controls["prompt"], *controls["settings"]], controls["clicked_at"]
     decode = {"show_progress": "minimal", "concurrency_id": "decode", "preprocess": False}  # labstate checks values
     stamp = {"js": f"(...v) => [...v.slice(0, {len(inputs)}), Date.now()]", **decode}  # the click's time, page clock
@@ -426,9 +437,10 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "") -> gr.Blocks:
                 first = replay.gallery()[0].name
                 demo.load(lambda: on_pick(first), None, [replay_box["state"], *view], api_visibility="private")
         else:
-            _wire_live(controls, view)
-            panel["step_slider"].release(on_view, [panel["step_slider"]], view, api_name="view",
-                                         show_progress="hidden", preprocess=False)
+            _wire_live(controls, view, replay_box["state"])
+            panel["step_slider"].release(on_view, [panel["step_slider"], replay_box["state"]],
+                                         [replay_box["state"], *view], api_name="view", show_progress="hidden",
+                                         preprocess=False)
             demo.load(on_load, None, [model_info], api_visibility="private")
             demo.unload(on_unload)
     demo.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)

@@ -12,7 +12,7 @@ import gradio as gr
 
 import labstate
 from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, newest_round, result_order,
-                            step_trace_figure, stepped_strategies)
+                            result_round, step_trace_figure, stepped_strategies)
 from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -116,8 +116,9 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
                                       max_lines=6, elem_id="custom-tree",
                                       info=f"Path [r1, r2, …] = head 1's rank-r1 token, then head 2's rank-r2 token, "
                                            f"…; every path's parent must be in the list; up to "
-                                           f"{labstate.MAX_CUSTOM_TREE_NODES} paths, {num_heads} deep, ranks below "
-                                           f"the top-m setting."),
+                                           f"{labstate.MAX_CUSTOM_TREE_NODES} paths, {num_heads} deep, ranks 0-"
+                                           f"{MAX_TOP_M - 1} (a fixed tree reads the ranks it names, whatever "
+                                           f"the top-m setting)."),
             "compare_fixed": gr.Checkbox(value=values["compare_fixed"], label="Compare with the fixed tree "
                                          "(dynamic only; costs a second verify, not counted in tokens/s)",
                                          elem_id="compare"),
@@ -156,4 +157,5 @@ def benchmark_tab(results: Path) -> None:
     with gr.Accordion(f"Earlier rounds ({len(earlier)} result files; other heads, other CPUs)", open=False):
         for path in earlier:
             result = json.loads(path.read_text())
-            gr.Markdown(f"{bench_heading(result)} ({path.stem})\n\n{markdown_table(result)}", elem_classes=["bench-table"])
+            gr.Markdown(f"{bench_heading(result)} ({result_round(path.stem)})\n\n{markdown_table(result)}",
+                        elem_classes=["bench-table"])

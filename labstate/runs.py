@@ -100,15 +100,16 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     if settings.depth > num_heads:
         raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
     dynamic = settings.strategy == DYNAMIC
-    uses_fixed = settings.strategy == FIXED or (settings.compare_fixed and dynamic)
-    if settings.fixed_preset == CUSTOM_TREE:
-        _check_custom_depth(settings, num_heads)
-    tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
     accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
     base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
                         compare_fixed=settings.compare_fixed and dynamic,
                         compare_rival=settings.compare_heads and settings.spec.grown)
-    config = replace(strategy_config(settings.spec.with_budget(settings.budget), base), fixed_tree=tree)
+    config = strategy_config(settings.spec.with_budget(settings.budget), base)
+    if not settings.uses_fixed_tree:  # the preset (or custom box) is read by nothing in this run
+        return config, ""
+    if settings.fixed_preset == CUSTOM_TREE:
+        _check_custom_depth(settings, num_heads)
+    tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
     if note and settings.strategy != FIXED:
         note = f"the comparison's {note}"  # the run's own tree is dynamic: only the side-by-side tree is cut
-    return config, note if uses_fixed else ""
+    return replace(config, fixed_tree=tree), note

@@ -87,6 +87,11 @@ class Settings:
         return self.spec.auto
 
     @property
+    def uses_fixed_tree(self) -> bool:
+        """The fixed tree is decoded (fixed strategy) or drawn beside a dynamic run (the comparison)."""
+        return uses_fixed_tree(self.spec, self.compare_fixed)
+
+    @property
     def lookup(self) -> bool:
         return self.spec.lookup
 
@@ -208,14 +213,20 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
         raise LabInputError("the greedy rule needs temperature 0; pick typical or speculative acceptance to sample")
     spec = checked.pop("strategy")
     custom = checked.pop("custom_tree")
+    used = checked["fixed_preset"] == CUSTOM_TREE and uses_fixed_tree(spec, checked["compare_fixed"])
     try:
-        paths = parse_custom_tree(custom) if checked["fixed_preset"] == CUSTOM_TREE else ()
+        paths = parse_custom_tree(custom) if used else ()  # a box nothing reads never blocks Start
     except LabInputError as error:
         if spec.family == FIXED:
             raise
         raise LabInputError(f"{error} (with the {spec.text} strategy only the fixed-tree comparison uses the custom "
                             f"tree: fix it, pick a preset, or untick the comparison)") from None
     return Settings(spec=spec, custom_tree=paths, **checked)
+
+
+def uses_fixed_tree(spec: StrategySpec, compare_fixed: bool) -> bool:
+    """Whether a run of `spec` reads the fixed tree: decoding with it, or the comparison of a dynamic run."""
+    return spec.family == FIXED or (compare_fixed and spec.family == DYNAMIC)
 
 
 def _custom_tree_value(text: object) -> object:

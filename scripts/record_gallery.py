@@ -135,8 +135,9 @@ RECORDINGS = [
               dict(BASE, strategy="dynamic", rule="typical", temperature=0.7, compare_fixed=False), _accepting),
     Recording("bf16_near_tie", "bf16: a near-tie flips a token",
               "In bf16 the lab is exact up to rounding: where the plain run's two best tokens are nearly tied, a "
-              "tree verify can round the other way and the text departs from fp32 greedy decoding. The check card "
-              "names the token and the logit gap; in fp32 the outputs are identical.",
+              "tree verify can round the other way and the text departs from plain greedy decoding in the same "
+              "precision (bf16). The check card names the token and the logit gap; in fp32 the outputs are "
+              "identical.",
               "Write a short story about a robot who learns to paint.",
               dict(BASE, strategy="dynamic", precision="bf16", compare_fixed=False, max_new_tokens=96),
               alternatives=("Describe the water cycle for a ten-year-old.", "What are the benefits of regular exercise?",

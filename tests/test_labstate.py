@@ -2,12 +2,14 @@
 whole lifecycle on a tiny model standing in for the shipped one."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 
 import labstate
 from core.budget.cost_profile import CostProfile
+from labstate.runs import decode_config
 from labstate.shared import Runtime
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 from viz.trace import load_trace
@@ -41,6 +43,23 @@ def test_settings_round_trip_through_their_raw_values():
 def test_bad_settings_say_what_is_wrong(values, message):
     with pytest.raises(labstate.LabInputError, match=message):
         labstate.parse_settings({"precision": "fp32", **values})
+
+
+def test_a_custom_tree_nothing_reads_never_blocks_start():
+    """Under a dynamic strategy without the comparison the custom box is read by nothing: a broken tree
+    there is ignored; with the comparison (or the fixed strategy) it is checked and the error says why."""
+    broken = {"fixed_preset": "custom", "custom_tree": "[[1, 0]]", "precision": "fp32"}
+    unused = labstate.parse_settings({**broken, "strategy": "dynamic", "compare_fixed": False})
+    assert not unused.uses_fixed_tree and unused.custom_tree == ()
+    config, note = decode_config(unused, num_heads=4)
+    assert note == "" and config.compare_fixed is False
+    with pytest.raises(labstate.LabInputError, match=r"no parent .*untick the comparison"):
+        labstate.parse_settings({**broken, "strategy": "dynamic", "compare_fixed": True})
+    with pytest.raises(labstate.LabInputError, match=r"no parent \[1\] in the tree$"):
+        labstate.parse_settings({**broken, "strategy": "fixed", "compare_fixed": False})
+    cut = labstate.parse_settings({"strategy": "dynamic", "compare_fixed": True, "depth": 1, "precision": "fp32"})
+    assert decode_config(cut, num_heads=4)[1].startswith("the comparison's fixed tree")
+    assert decode_config(dataclasses.replace(cut, compare_fixed=False), num_heads=4)[1] == ""  # nothing is cut
 
 
 # -- the session registry -------------------------------------------------------------------------------

@@ -206,6 +206,22 @@ def test_a_replayed_step_draws_the_next_one_ahead():
         assert ahead.status == app._recorded_view.__wrapped__(replay.moved(state, shown + 1), "").status
 
 
+def test_revisit_appears_with_a_second_step_and_revisits_what_the_page_shows():
+    import app
+
+    slider = VIEW_FIELDS.index("step_slider") + 1  # outputs: the replay state, then the view
+    state = app.on_pick("dynamic_vs_fixed")[0]
+    assert app.on_pick("dynamic_vs_fixed")[slider].visible is False  # no "1 … 2" before any step
+    first = app.on_replay_step(state)
+    assert first[slider].visible is False  # one step: nothing to revisit yet
+    state = app.on_replay_step(app.on_replay_step(first[0])[0])[0]
+    assert state.shown == 3
+    out = app.on_view(2, state)  # the live page's slider while a replay is shown: the replay's step 2
+    assert out[0].shown == 2 and out[slider].visible is True and out[slider].value == 2
+    assert "step 2 of" in out[1 + VIEW_FIELDS.index("status")]
+    assert app._forget_replay() is None  # a live event clears the replay, so the slider reads the live run
+
+
 def test_replay_only_mode_imports_neither_torch_nor_transformers():
     code = ("import sys, app; from labstate import replay; from viz.view import build_view; "
             "s = replay.step(replay.open_gallery(replay.gallery()[0].name)); build_view(replay.replay_facts(s), 0); "

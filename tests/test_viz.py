@@ -496,6 +496,8 @@ def test_benchmark_figure_skips_missing_tokens_per_step_and_orders_mt_bench_firs
     assert "| strategy | tokens / step |" in markdown_table(result)
     names = ["bench_adversarial_bf16", "bench_gpu_h200_fp32", "bench_mtbench_fp32", "bench_mtbench_bf16"]
     assert [n for n in sorted(names, key=result_order)][:2] == ["bench_mtbench_bf16", "bench_mtbench_fp32"]
+    from viz.bench_plot import result_round
+    assert result_round("bench_round7_mtbench_fp32") == "round 7" and result_round("bench_mtbench_fp32") == "an early round"
 
 
 def test_speed_card_says_how_the_run_compares_with_plain_decoding():
@@ -516,6 +518,22 @@ def test_speed_card_says_how_the_run_compares_with_plain_decoding():
                                vs_plain_basis="this run is plain decoding: the yardstick"))
     assert "× plain" not in page and "the yardstick" in page and "This setting" not in page
     assert PLOT_WIDTH_PX >= 900
+
+
+def test_no_winning_verdict_on_a_loop_or_from_the_whole_runs_reason_part_way():
+    from viz.text_html import sources_note
+    winning = RunStats(tokens_per_s=40.0, vs_plain=2.1, vs_plain_basis="measured plain run",
+                       vs_plain_why="wins: a verify of 20 tokens costs 30 ms")
+    page = stats_html(winning, sources_note({"lookup": 30, "base model": 10}, True), looping=True)
+    assert "This setting wins" not in page and "sub wins" not in page and "speed-note wins" not in page
+    assert "2.1× plain decoding (measured, on a loop)" in page and "repeats itself" in page
+    assert "30 by prompt lookup" in page and "10 token(s) from the base model" in page
+    assert "This setting wins: a verify" in stats_html(winning)  # the same run without a loop
+    # a replay part-way: the ratio so far loses while the recorded reason is the whole run's win
+    early = dataclasses.replace(winning, vs_plain=0.8)
+    page = stats_html(early)
+    assert "speed-note loses" in page and "This setting loses so far" in page and "wins:" not in page
+    assert sources_note({"base model": 5}, False) == ""  # nothing guessed, no loop: nothing to say
 
 
 def test_step_trace_figure_draws_every_step_of_the_adaptive_rows():

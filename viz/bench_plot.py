@@ -121,6 +121,12 @@ def bench_heading(result: dict) -> str:
             f"{config['dtype']}, {device}")
 
 
+def result_round(stem: str) -> str:
+    """Which round a result file belongs to, in words ("round 7"; "an early round" before rounds were named)."""
+    found = re.search(r"round(\d+)", stem)
+    return f"round {found.group(1)}" if found else "an early round"
+
+
 def phase_figure(result: dict) -> go.Figure:
     """Milliseconds per step by phase, stacked, for the strategies that record phases."""
     summary = {n: s for n, s in result["summary"].items() if s.get("phase_ms_per_step")}

@@ -217,16 +217,24 @@ def _tree_size_card(sizes: Sequence[int] | None) -> str:
             f'<div class="k">nodes / step</div><div class="sub">{plain} plain · largest {max(sizes)}</div></div>')
 
 
-def _speed_card(stats: RunStats) -> str:
-    """Tokens/s, and the ratio to plain decoding: a verdict (wins / loses) only when measured;
-    an estimate is marked as one and coloured neutrally; plain decoding is never compared with itself."""
+def _verdict(stats: RunStats, looping: bool) -> str:
+    """wins / loses / ties for a measured ratio; a loop gets no winning verdict (copying drafters accept a
+    loop whole, so its speed-up says nothing about other text)."""
+    state = "wins" if stats.vs_plain >= 1.05 else "loses" if stats.vs_plain < 0.95 else "ties"
+    return "loop" if looping and state == "wins" else state
+
+
+def _speed_card(stats: RunStats, looping: bool = False) -> str:
+    """Tokens/s, and the ratio to plain decoding: a verdict (wins / loses) only when measured and not on a
+    loop; an estimate is marked as one and coloured neutrally; plain decoding is never compared with itself."""
     if stats.vs_plain is None:
         sub = (f'<div class="sub neutral">{escape(stats.vs_plain_basis)}</div>' if stats.vs_plain_basis else "")
     elif _measured(stats):
-        state = "wins" if stats.vs_plain >= 1.05 else "loses" if stats.vs_plain < 0.95 else "ties"
+        state = _verdict(stats, looping)
+        colour = "neutral" if state == "loop" else state
         ratio = f"{stats.vs_plain:.1f}" if stats.vs_plain >= 0.95 else f"{stats.vs_plain:.2f}"
-        sub = (f'<div class="sub {state}" title="{escape(stats.vs_plain_basis)}">{ratio}× plain '
-               f'decoding (measured)</div>')
+        sub = (f'<div class="sub {colour}" title="{escape(stats.vs_plain_basis)}">{ratio}× plain '
+               f'decoding (measured{", on a loop" if state == "loop" else ""})</div>')
     else:
         sub = (f'<div class="sub neutral" title="{escape(stats.vs_plain_basis)}">≈ {stats.vs_plain:.1f}× plain '
                f'decoding (estimated, not yet measured)</div>')
@@ -234,18 +242,24 @@ def _speed_card(stats: RunStats) -> str:
             f'{sub}</div>')
 
 
-def _speed_note(stats: RunStats) -> str:
-    """Why the run wins or loses, once the plain run is measured; before, what the estimate rests on."""
+def _speed_note(stats: RunStats, looping: bool = False) -> str:
+    """Why the run wins or loses, once the plain run is measured; before, what the estimate rests on. The
+    reason (`vs_plain_why`, "wins: ..." or "loses: ...") is the whole run's: part-way through a replay the
+    ratio so far may say otherwise, and then only the verdict is shown."""
     if not stats.vs_plain_why or stats.vs_plain is None:
         return ""
     if not _measured(stats):
         return (f'<div class="speed-note neutral">An estimate ({escape(stats.vs_plain_basis)}); the verdict comes '
                 f'when the plain run of this prompt is measured (at the end of the run, or press Check).</div>')
-    if 0.95 <= stats.vs_plain < 1.05:  # within a run's noise: no verdict
+    state = _verdict(stats, looping)
+    if state == "ties":  # within a run's noise: no verdict
         return (f'<div class="speed-note neutral">About as fast as plain decoding '
                 f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
-    state = "wins" if stats.vs_plain >= 1.05 else "loses"
-    return (f'<div class="speed-note {state}">This setting {escape(stats.vs_plain_why)} '
+    if state == "loop":
+        return (f'<div class="speed-note neutral">Faster than plain decoding, but the text repeats itself: no verdict '
+                f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
+    why = stats.vs_plain_why if stats.vs_plain_why.startswith(f"{state}:") else f"{state} so far"
+    return (f'<div class="speed-note {state}">This setting {escape(why)} '
             f'(plain decoding: {escape(stats.vs_plain_basis)}).</div>')
 
 
@@ -262,14 +276,15 @@ def sources_note(sources: dict[str, int], looping: bool) -> str:
             f'{sources.get("base model", 0)} token(s) from the base model itself.{escape(loop)}</div>')
 
 
-def stats_html(stats: RunStats, sources: str = "", tree_sizes: Sequence[int] | None = None) -> str:
+def stats_html(stats: RunStats, sources: str = "", tree_sizes: Sequence[int] | None = None, *,
+               looping: bool = False) -> str:
     """Cards with the running totals, the tree sizes verified (`tree_sizes`: nodes besides the root per
     step; None for plain decoding), the speed against plain decoding and the greedy-exactness check;
-    `sources`: the `sources_note` under them."""
+    `sources`: the `sources_note` under them; `looping`: the text repeats itself (no winning verdict)."""
     cards = [("tokens", f"{stats.tokens}"), ("steps", f"{stats.steps}"), ("tokens / step", f"{stats.mean_accepted:.2f}")]
     items = "".join(f'<div class="card"><div class="v">{escape(v)}</div><div class="k">{escape(k)}</div></div>'
                     for k, v in cards) + _tree_size_card(tree_sizes)
     check = (f'<div class="card check {escape(stats.check_state)}"><div class="v">{escape(stats.check)}</div>'
              f'<div class="k">vs plain greedy decoding</div></div>') if stats.check else ""
-    return (f'<div class="stats">{items}{_speed_card(stats)}{check}<div class="card status"><div class="v">'
-            f'{escape(stats.status)}</div><div class="k">status</div></div></div>{_speed_note(stats)}{sources}')
+    return (f'<div class="stats">{items}{_speed_card(stats, looping)}{check}<div class="card status"><div class="v">'
+            f'{escape(stats.status)}</div><div class="k">status</div></div></div>{_speed_note(stats, looping)}{sources}')

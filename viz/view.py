@@ -175,7 +175,9 @@ def _notice(facts: RunFacts, index: int | None) -> str:
 def _stats(facts: RunFacts) -> str:
     """The cards, with who produced the tokens so far (and a word when the text loops)."""
     sizes = None if facts.spec.family == AUTOREGRESSIVE else [r.outcome.tree.num_nodes for r in facts.records]
-    return stats_html(facts.stats, sources_note(token_sources(facts.records), loops(facts.output_ids)), sizes)
+    looping = loops(facts.output_ids)
+    return stats_html(facts.stats, sources_note(token_sources(facts.records), looping), sizes,
+                      looping=looping)
 
 
 def _rival(facts: RunFacts, record: StepRecord) -> Any:
