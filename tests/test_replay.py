@@ -160,6 +160,9 @@ MALFORMED = [
     (_broken(lambda d: d["facts"].update(strategy="beam")), "grammar"),
     (_broken(lambda d: d["facts"].pop("stats")), "missing field"),
     (_broken(lambda d: d["steps"][0].update(index=7)), "says it is step 8"),
+    (_broken(lambda d: d["facts"]["stats"].update(tokens_per_s="x")), r"damaged.*expected a number"),
+    (_broken(lambda d: d["facts"]["stats"].update(status=3)), r"damaged.*stats.status: expected a text"),
+    (_broken(lambda d: d["facts"].update(settings={"budget": [1, 2]})), r"damaged.*settings"),
 ]
 
 

@@ -179,9 +179,33 @@ def _step(data: dict, number: int) -> StepRecord:
     return record
 
 
+def _run_stats(stats: dict) -> RunStats:
+    """The speed card's totals, each of its declared type (a number where a number is drawn)."""
+    checked: dict[str, Any] = {}
+    for name, default in dataclasses.asdict(RunStats()).items():
+        if name not in stats:
+            continue
+        value = stats[name]
+        if isinstance(default, str):
+            if not isinstance(value, str):
+                raise TypeError(f"stats.{name}: expected a text, got {type(value).__name__}")
+            checked[name] = value
+        elif isinstance(default, int):
+            checked[name] = int(_float(value)) if value is not None else default
+        else:  # floats, and vs_plain, which may be absent (None)
+            checked[name] = None if value is None and default is None else _float(value)
+    return RunStats(**checked)
+
+
+def _scalars(value: Any, what: str) -> dict[str, Any]:
+    """A flat mapping of JSON scalars (settings, the greedy check): what the summary prints."""
+    if not isinstance(value, dict) or any(isinstance(v, (dict, list)) for v in value.values()):
+        raise TypeError(f"{what}: expected names with plain values")
+    return dict(value)
+
+
 def _facts(data: dict, steps: list[StepRecord], meta: dict) -> RunFacts:
-    stats = data["stats"]
-    run_stats = RunStats(**{f.name: stats[f.name] for f in dataclasses.fields(RunStats) if f.name in stats})
+    run_stats = _run_stats(dict(data["stats"]))
     ar = data.get("ar")
     baseline = None if ar is None else ArBaseline(step_seconds=[_float(s) for s in ar.get("step_seconds", [])],
                                                   seconds_per_token=None if ar.get("seconds_per_token") is None
@@ -191,11 +215,11 @@ def _facts(data: dict, steps: list[StepRecord], meta: dict) -> RunFacts:
         raise ValueError("a run holds at least the prefill's token")
     token_bytes = {int(k): bytes.fromhex(v) for k, v in dict(data.get("token_bytes", {})).items()}
     notes = {int(k) - 1: str(v) for k, v in dict(meta.get("notes", {})).items()}
-    settings = dict(data["settings"])
+    settings = _scalars(data["settings"], "settings")
     return RunFacts(prompt=str(data["prompt"]), spec=parse_strategy(data["strategy"]), settings=settings,
                     records=steps, output_ids=output_ids, first_text=str(data.get("first_text", "")),
                     text=str(data.get("text", "")), token_bytes=token_bytes, stats=run_stats,
-                    check=dict(data.get("check", {})), ar=baseline, state=str(data.get("state", "recorded")),
+                    check=_scalars(data.get("check", {}), "check"), ar=baseline, state=str(data.get("state", "recorded")),
                     note=str(data.get("note", "")), finished=bool(data.get("finished", False)),
                     stop_reason=str(data.get("stop_reason", "")), model=str(data.get("model", "")),
                     heads=str(data.get("heads", "")), recording=str(meta.get("title", "an exported run")),
