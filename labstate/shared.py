@@ -17,7 +17,7 @@ from core.drafters.hydra import HydraHeads, default_hydra_heads
 from core.strategy import HYDRA
 from core.kvcache import truncate
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
-from core.budget.cost_profile import CostProfile, verify_profile
+from core.budget.cost_profile import CostProfile, profile_cached, verify_profile
 from core.tensor_thread import tensor_work
 from core.verify import forward_tokens
 from labstate.settings import PRECISIONS, machine_precision
@@ -112,7 +112,8 @@ def warm_up(precision: str, tree: bool, notify: Callable[[str], None]) -> None:
         notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
     rt = runtime(precision)
     if tree and str(rt.base.dtype) not in _PROFILES:
-        notify("Measuring what a tree verify costs on this machine (once per precision, then cached: 5-10 s)…")
+        if not profile_cached(rt.base):  # read from disk it takes no time worth a word
+            notify("Measuring what a tree verify costs on this machine (once per precision, then cached: 5-10 s)…")
         cost_profile(rt)
 
 

@@ -91,6 +91,22 @@ def tiny_runtime(monkeypatch):
     return rt
 
 
+@pytest.mark.parametrize("cached_on_disk, said", [(True, []), (False, ["Measuring what a tree verify costs"])])
+def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypatch, cached_on_disk, said):
+    import labstate.shared as shared
+    base = tiny_base("llama")
+    rt = Runtime(base=base, heads=tiny_heads(base), heads_description="tiny heads")
+    monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)  # the model is loaded: nothing to say about loading
+    monkeypatch.setattr(shared, "_PROFILES", {})
+    monkeypatch.setattr(shared, "profile_cached", lambda base: cached_on_disk)
+    monkeypatch.setattr(shared, "verify_profile", lambda base: CostProfile(sizes=[1, 16], ms=[10.0, 12.0],
+                                                                           device="cpu", model="tiny"))
+    messages: list[str] = []
+    shared.warm_up("fp32", tree=True, notify=messages.append)
+    assert [m[:len(p)] for m, p in zip(messages, said)] == said and len(messages) == len(said)
+    assert str(base.dtype) in shared._PROFILES
+
+
 SETTINGS = {"strategy": "dynamic", "budget": 12, "top_m": 8, "precision": "fp32", "max_new_tokens": 20,
             "compare_fixed": True}
 

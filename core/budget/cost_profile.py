@@ -155,8 +155,16 @@ def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats:
 _MEASURING = threading.Lock()
 
 
+PROFILE_DIR = CACHE_DIR / "profiles"
+
+
+def profile_cached(base: BaseModel, cache_dir: Path = PROFILE_DIR) -> bool:
+    """Whether `verify_profile` will read a profile measured earlier (no measuring to announce)."""
+    return (cache_dir / f"{profile_key(base).digest()}.json").exists()
+
+
 @functools.lru_cache(maxsize=8)
-def verify_profile(base: BaseModel, cache_dir: Path = CACHE_DIR / "profiles") -> CostProfile:
+def verify_profile(base: BaseModel, cache_dir: Path = PROFILE_DIR) -> CostProfile:
     """The cached profile for this device/model/precision/threads, measured on first use."""
     with _MEASURING:  # two sessions starting at once measure once
         return _load_or_measure(base, cache_dir)
