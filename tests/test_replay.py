@@ -225,6 +225,30 @@ def test_revisit_appears_with_a_second_step_and_revisits_what_the_page_shows():
     assert app._forget_replay() is None  # a live event clears the replay, so the slider reads the live run
 
 
+def test_a_model_that_cannot_load_falls_back_to_the_gallery_and_says_why(monkeypatch):
+    import gradio as gr
+
+    import app
+
+    def no_model(precision: str):
+        raise OSError("no weights here")
+
+    launched: list = []
+    monkeypatch.setattr(app, "REPLAY_ONLY", False)
+    monkeypatch.setattr(app, "demo", app.demo)  # main() rebinds it: put the live page back afterwards
+    monkeypatch.setattr(app.labstate, "runtime", no_model)
+    monkeypatch.setattr(app.labstate, "machine_precision", lambda: "fp32")
+    monkeypatch.setattr(app, "prewarm", lambda: launched.append("prewarmed"))
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **options: launched.append(self))
+    monkeypatch.setattr(gr.Blocks, "block_thread", lambda self: None)
+    app.main(["--port", "7999"])
+    page, prewarmed = launched
+    texts = [str(getattr(block, "value", "")) for block in page.blocks.values()]
+    assert any("could not be loaded here (OSError)" in text for text in texts)
+    assert not any(getattr(block, "elem_id", None) == "start-btn" for block in page.blocks.values())
+    assert prewarmed == "prewarmed"  # the gallery's first run is drawn ahead as in replay-only mode
+
+
 def test_replay_only_mode_imports_neither_torch_nor_transformers():
     code = ("import sys, app; from labstate import replay; from viz.view import build_view; "
             "s = replay.step(replay.open_gallery(replay.gallery()[0].name)); build_view(replay.replay_facts(s), 0); "
