@@ -503,8 +503,8 @@ def test_the_page_gets_a_warning_and_keeps_its_run_on_bad_input():
     assert "⚠️ node budget must be a whole number, got 'abc'" in view[OUT["status"]]
     assert view[OUT["summary"]]["steps"] == 1 and view[OUT["summary"]]["prompt"] == LONG_A  # still drawn
     with pytest.warns(UserWarning, match="custom tree: path \\[1, 0\\] has no parent"):
-        views = list(app.on_run(LONG_A, **{**SETTINGS, "fixed_preset": "custom", "custom_tree": "[[1, 0]]"},
-                                request=request))
+        views = list(app.on_run(LONG_A, **{**SETTINGS, "fixed_preset": "custom", "compare_fixed": True,
+                                           "custom_tree": "[[1, 0]]"}, request=request))
     assert len(views) == 1 and "⚠️ custom tree" in views[0][OUT["status"]]
     assert app.on_step(LONG_A, **SETTINGS, request=request)[OUT["summary"]]["steps"] == 2
     app.on_unload(request)  # the tab closes: its state goes at once
