@@ -222,7 +222,6 @@ def test_revisit_appears_with_a_second_step_and_revisits_what_the_page_shows():
     out = app.on_view(2, state)  # the live page's slider while a replay is shown: the replay's step 2
     assert out[0].shown == 2 and out[slider].visible is True and out[slider].value == 2
     assert "step 2 of" in out[1 + VIEW_FIELDS.index("status")]
-    assert app._forget_replay() is None  # a live event clears the replay, so the slider reads the live run
 
 
 def test_a_model_that_cannot_load_falls_back_to_the_gallery_and_says_why(monkeypatch):

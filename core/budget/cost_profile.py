@@ -158,9 +158,13 @@ _MEASURING = threading.Lock()
 PROFILE_DIR = CACHE_DIR / "profiles"
 
 
+def _profile_path(base: BaseModel, cache_dir: Path) -> Path:
+    return cache_dir / f"{profile_key(base).digest()}.json"
+
+
 def profile_cached(base: BaseModel, cache_dir: Path = PROFILE_DIR) -> bool:
     """Whether `verify_profile` will read a profile measured earlier (no measuring to announce)."""
-    return (cache_dir / f"{profile_key(base).digest()}.json").exists()
+    return _profile_path(base, cache_dir).exists()
 
 
 @functools.lru_cache(maxsize=8)
@@ -171,7 +175,7 @@ def verify_profile(base: BaseModel, cache_dir: Path = PROFILE_DIR) -> CostProfil
 
 
 def _load_or_measure(base: BaseModel, cache_dir: Path) -> CostProfile:
-    path = cache_dir / f"{profile_key(base).digest()}.json"
+    path = _profile_path(base, cache_dir)
     if path.exists():
         return CostProfile(**json.loads(path.read_text()))
     before = _measure_row(base, (1,), PROFILE_CONTEXTS[0], repeats=5)[0]
