@@ -3,7 +3,8 @@
 # decoding on the lean forward and on transformers' forward (`ar@hf`: the engine before/after in one
 # run), transformers' own generate and its prompt lookup, on MT-Bench (every STRIDE-th prompt),
 # the second set and the collapse set, in the precision this machine decodes fastest in
-# (core.model.default_precision), plus fp32 where that is another one. SETS picks the sets;
+# (core.model.default_precision), plus fp32 where that is another one (DTYPES="bf16 fp32" asks for
+# both wherever the default is). SETS picks the sets;
 # REPEATS runs every strategy that many times per prompt (each row: the median-time run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ SETS=${SETS:-"mtbench specmix collapse"}
 # round 8 measured the engine before/after (ar@hf, dynamic:auto@hf); STRATEGIES=... adds them back
 MAIN=${STRATEGIES:-ar,hf:greedy,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,hf:prompt_lookup}
 DEFAULT=$($PY -c "from core.model import default_precision; print(default_precision())")
-DTYPES=$DEFAULT; [ "$DEFAULT" != fp32 ] && DTYPES="$DEFAULT fp32"
+DTYPES=${DTYPES:-$DEFAULT}; [ "$DTYPES" = "$DEFAULT" ] && [ "$DEFAULT" != fp32 ] && DTYPES="$DEFAULT fp32"
 for DTYPE in $DTYPES; do
   for SET in $SETS; do
     case $SET in
