@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.machine import cpu_name
+from core.machine import cpu_name, measured_quietly
 
 log = logging.getLogger(__name__)
 
@@ -454,7 +454,10 @@ class LeanLlama:
 
     def load_or_choose_kernels(self, folder: Path) -> None:
         """Apply the kernel choice cached for this machine in `folder`, or measure it (a few
-        seconds for the shipped model) and cache it. An unwritable folder only costs a re-measure."""
+        seconds for the shipped model) and cache it if it was measured quietly (a reference
+        timing before and after agrees with the same timing inside the choice: round 17 found
+        fp32 choices made beside a running generator in the cache, mkldnn where it was slow).
+        An unwritable folder only costs a re-measure."""
         path = folder / f"{self.kernel_key()}.json"
         if path.exists():
             saved = json.loads(path.read_text())
@@ -465,13 +468,22 @@ class LeanLlama:
                     self.apply_kernels(chosen, role)
                 self.kernel_report = saved.get("ms", {})
                 return
+        before = self._reference_ms()
         report = self.choose_kernels()
+        after = self._reference_ms()
         chosen = {role: fastest(by_bucket) for role, by_bucket in report.items()}
+        if not measured_quietly(before, after, report["gate_up"][ROW_BUCKETS[1]]["linear"]):
+            log.warning("kernel choice measured on a busy machine: used for this run, not cached")
+            return
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"kernels": chosen, "ms": report}, indent=1))
         except OSError as error:
             log.warning("could not cache the kernel choice in %s: %s", folder, error)
+
+    def _reference_ms(self) -> float:
+        """One piece of the kernel timing, repeated around it: gate/up products of 8 rows by `linear`."""
+        return _time_kernel(self.roles()["gate_up"], "linear", ROW_BUCKETS[1], 8, repeats=2)
 
     def roles(self) -> dict[str, list[Matmul]]:
         """The projections by role (each role's weights share a shape): q/k/v, output, gate/up,

@@ -68,7 +68,8 @@ class TrainConfig:
     draft_vocab: int = 16384  # tokens the heads rank at decode time (0: all)
     depth_vocab: str = ""  # rows each head ranks, comma-separated (e.g. 16384,8192,4096,4096); "": all
     extract_missing: bool = False  # rows without captured features: one forward each (slow)
-    prefix_layer: bool = False  # Hydra only: Hydra++'s prefix attention layer (batches of whole answers)
+    prefix_layer: bool = False  # Hydra only: Hydra++'s prefix attention layer ...
+    prefix_stretch: int = 0  # ... trained on batches of stretches of this many positions of an answer (0: whole answers)
 
     @property
     def depth_sizes(self) -> tuple[int, ...]:

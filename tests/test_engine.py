@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from offline.datagen import ContinuousBatcher
 from core.decoder import DecodeConfig, decode, start_session
-from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, Matmul, StaticCache, time_kernels
+from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, Matmul, StaticCache, fastest, time_kernels
 from core.kvcache import keep_accepted, truncate
 from core.model import ModelConfig
 from core.tree import dynamic_tree
@@ -89,6 +89,7 @@ def test_every_kernel_gives_the_same_result():
 
 
 def test_kernel_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr("core.engine.measured_quietly", lambda *ms: True)
     lean, _ = _pair()
     engine = lean.engine
     engine.load_or_choose_kernels(tmp_path)
@@ -101,6 +102,15 @@ def test_kernel_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(LeanLlama, "choose_kernels", lambda self: pytest.fail("measured twice"))
     fresh.load_or_choose_kernels(tmp_path)  # read back, not re-measured
     assert [dict(m.kernels) for m in fresh.matmuls()] == chosen
+
+
+def test_a_kernel_choice_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr("core.engine.measured_quietly", lambda *ms: False)
+    lean, _ = _pair()
+    lean.engine.load_or_choose_kernels(tmp_path)
+    assert not list(tmp_path.glob("*.json"))
+    assert set(lean.engine.kernel_report) == {"qkv", "out", "gate_up", "down", "lm_head"}
+    assert lean.engine.layers[0].down.kernels == fastest(lean.engine.kernel_report["down"])  # used all the same
 
 
 def _dynamic_snapshot(cache: DynamicCache) -> torch.Tensor:

@@ -253,7 +253,7 @@ def test_hydra_loss_trains_the_prefix_layer():
 
 def test_training_with_a_prefix_layer_learns_saves_and_evaluates(base, tmp_path):
     """A few steps of `train_hydra` with the prefix layer on a tiny model's own answers: batches
-    follow whole answers, the loss falls, the layer moves off the identity, and the saved heads
+    follow whole answers or stretches of 5 positions of them, the loss falls, the layer moves off the identity, and the saved heads
     load and evaluate through it."""
     from offline.train import TrainConfig, extract_features
     from offline.train_hydra import answer_order, hydra_accuracy, train_hydra
@@ -264,8 +264,14 @@ def test_training_with_a_prefix_layer_learns_saves_and_evaluates(base, tmp_path)
     order = answer_order(features.remaining, seed=0)
     assert sorted(order.tolist()) == list(range(len(order)))
     assert all(features.remaining[order[i]] == 0 or order[i + 1] == order[i] + 1 for i in range(len(order) - 1))
+    stretches = answer_order(features.remaining, seed=0, stretch=5)
+    assert sorted(stretches.tolist()) == list(range(len(order)))
+    answer_length = 24  # every answer's positions: 5, 5, 5, 5 and 4 per stretch
+    ends = [int(p) for i, p in enumerate(stretches[:-1]) if stretches[i + 1] != p + 1]
+    assert all(p % answer_length in (4, 9, 14, 19, 23) for p in ends)  # jumps only where a stretch ends
+    assert len({int(p) // answer_length for p in stretches[:48]}) >= 4  # a batch mixes answers
     config = TrainConfig(family="hydra", num_heads=2, epochs=6, batch_size=48, lr=1e-2, draft_vocab=0,
-                         prefix_layer=True)
+                         prefix_layer=True, prefix_stretch=5)
     heads = train_hydra(base, features, config)
     assert heads.prefix is not None and heads.prefix.out.weight.abs().sum() > 0
     fresh = HydraHeads(heads.config)
