@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -83,9 +82,7 @@ class Matmul:
         rows = x.numel() // x.shape[-1]
         kernel = self.kernels.get(_bucket(rows), "linear")
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
-        if kernel == "split" and rows == 1:
-            out = self._split_gemv(flat[0])[None]  # [1, out]
-        elif kernel == "mkldnn":
+        if kernel == "mkldnn":
             out = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), self.packed, self.bias).to_dense()
         elif kernel == "wxt":
             # transposed back into a row-major copy: attention's fast kernel needs contiguous heads
@@ -95,35 +92,27 @@ class Matmul:
             out = F.linear(flat, self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
-    def _split_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """One row: the upper and lower halves of the weight multiplied at once, the lower one on a
-        worker thread (torch releases the GIL). Why: on a 2-core CPU without AVX512 the library GEMV
-        streamed a weight from memory at about 8 GB/s of the 20 the machine reads; two halves
-        in flight at once read 13-14 GB/s."""
-        half = self.weight.shape[0] // 2
-        lower = _GEMV_POOL.submit(torch.mv, self.weight[half:], x)
-        upper = torch.mv(self.weight[:half], x)  # [half]
-        out = torch.cat([upper, lower.result()])  # [out]
-        return out + self.bias if self.bias is not None else out
-
     def pack(self) -> None:
         if self.packed is None:
             self.packed = self.weight.to_mkldnn()
 
     def use_kernels(self, kernels: dict[int, str]) -> None:
         """Take `kernels` (row bucket -> kernel name); the mkldnn copy is kept only where one uses it.
-        A split GEMV where it is unsafe (`splits_safely`, e.g. from an older cached choice) runs as linear."""
-        safe = splits_safely(self.weight)
-        self.kernels.update({bucket: "linear" if name == "split" and not safe else name
-                             for bucket, name in kernels.items()})
+        A split GEMV (an older cached choice; see the note below) runs as linear."""
+        self.kernels.update({bucket: "linear" if name == "split" else name for bucket, name in kernels.items()})
         if "mkldnn" in self.kernels.values():
             self.pack()
         else:
             self.packed = None
 
 
-# one worker for the split GEMV: a process-wide, stateless resource like torch's own thread pool
-_GEMV_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lean-gemv")
+# No kernel runs on a worker thread. Rounds 8-13 had a split GEMV (half of a one-row product on a
+# worker thread: 13-14 GB/s against the library GEMV's 8 on an AVX2 CPU), kept for fp32 only after
+# a bf16 one opened a second OpenMP team (every later forward of the process ~1.8x slower: libgomp
+# stops spinning once it holds more threads than cores). Round 17 saw the same with fp32 on an Intel
+# Xeon with AMX, torch 2.13: one fp32 `torch.mv` on a worker thread took a plain step's products
+# from 15.2 to 20.0 ms for the rest of the process, and timing the split while choosing kernels made
+# a whole first run 1.8x slower (a plain step 52 ms, not 29).
 
 
 def _bucket(rows: int) -> int:
@@ -525,19 +514,8 @@ def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats:
         candidates.append("mkldnn")
         for m in matmuls:
             m.pack()
-    return {bucket: {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats)
-                     for kernel in candidates + (["split"] if rows == 1 and splits_safely(weight) else [])}
+    return {bucket: {kernel: _time_kernel(matmuls, kernel, bucket, rows, repeats) for kernel in candidates}
             for bucket, rows in rows_by_bucket.items()}
-
-
-def splits_safely(weight: torch.Tensor) -> bool:
-    """Whether the split GEMV may run on `weight`: only fp32 on a CPU. Why: a bf16 `torch.mv` runs
-    a parallel region, and on the worker thread that opens a second OpenMP thread team; once the
-    process holds more OpenMP threads than cores, libgomp stops spinning between parallel regions
-    and every later forward pays a futex wake per operator (measured on a 2-core AMD EPYC with
-    AVX512-BF16: a plain fp32 step 38 ms before one bf16 GEMV on another thread, 65-70 ms after,
-    for the rest of the process). An fp32 `torch.mv` runs on the calling thread alone."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def fastest(times: dict[int, dict[str, float]]) -> dict[int, str]:

@@ -73,7 +73,7 @@ def test_every_kernel_gives_the_same_result():
     engine: LeanLlama = lean.engine
     ids = torch.arange(5, 5 + 40)
     results = {}
-    for kernel in ("linear", "wxt", "mkldnn", "split"):
+    for kernel in ("linear", "wxt", "mkldnn"):
         if kernel == "mkldnn" and not torch.backends.mkldnn.is_available():
             continue
         engine.apply_kernels({bucket: kernel for bucket in ROW_BUCKETS})
@@ -267,14 +267,15 @@ def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     assert any(len(r.outcome.accepted_nodes) > 1 for r in session.records) or family == "hydra"
 
 
-def test_the_split_gemv_is_never_timed_or_used_for_bf16_weights():
-    """A bf16 GEMV on the split's worker thread opens a second OpenMP team, after which every
-    forward of the process ran about 1.8x slower (core.engine.splits_safely)."""
-    bf16 = Matmul(torch.randn(64, 16).bfloat16(), None)
-    assert "split" not in time_kernels([bf16], {1: 1}, repeats=1)[1]
-    bf16.use_kernels({1: "split"})
-    assert bf16.kernels[1] == "linear"
-    fp32 = Matmul(torch.randn(64, 16), None)
-    assert "split" in time_kernels([fp32], {1: 1}, repeats=1)[1]
-    fp32.use_kernels({1: "split"})
-    assert fp32.kernels[1] == "split"
+def test_no_kernel_is_timed_or_run_on_a_worker_thread():
+    """A product on a worker thread opens a second OpenMP team, after which every forward of the
+    process ran about 1.8x slower (bf16 on an AMD EPYC in round 14, fp32 on an Intel Xeon in round
+    17): the split GEMV is never a candidate, and an older cached choice of it runs as linear."""
+    import threading
+    for weight in (torch.randn(64, 16), torch.randn(64, 16).bfloat16()):
+        matmul = Matmul(weight, None)
+        before = threading.active_count()
+        assert "split" not in time_kernels([matmul], {1: 1, 8: 8}, repeats=1)[1]
+        assert threading.active_count() == before
+        matmul.use_kernels({1: "split"})
+        assert matmul.kernels[1] == "linear"

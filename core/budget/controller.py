@@ -167,8 +167,8 @@ class AutoBudget:
     @property
     def state(self) -> str:
         """What the controller does this step: probing (a plain step to measure plain speed),
-        backing off (plain steps: trees did not pay), exploring (a small tree to measure the heads
-        again after a back-off) or normal."""
+        backing off (plain steps: trees did not pay, or the loss budget is spent), exploring (one
+        node to measure the heads again after a back-off or under a spent budget) or normal."""
         if self.probe_plain():
             return "probing"
         if self.steps < self.plain_until:
