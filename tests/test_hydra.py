@@ -253,8 +253,8 @@ def test_hydra_loss_trains_the_prefix_layer():
 
 def test_training_with_a_prefix_layer_learns_saves_and_evaluates(base, tmp_path):
     """A few steps of `train_hydra` with the prefix layer on a tiny model's own answers: batches
-    follow whole answers or stretches of 5 positions of them, the loss falls, the layer moves off the identity, and the saved heads
-    load and evaluate through it."""
+    follow whole answers or stretches of 5 positions of them, the loss falls, the layer moves off
+    the identity, and the saved heads load and evaluate through it."""
     from offline.train import TrainConfig, extract_features
     from offline.train_hydra import answer_order, hydra_accuracy, train_hydra
     generator = torch.Generator().manual_seed(3)

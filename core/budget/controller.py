@@ -198,7 +198,7 @@ class AutoBudget:
         and a one-node tree that accepts nothing would lose at most EXPLORE_MAX_LOSS plain steps."""
         if self.steps - self.last_tree_step < self.explore_after:
             return False
-        context = self.records[-1].context_length if self.records else None
+        context = self._last_context()
         plain_ms = self._plain_ms_per_token(context)
         worst_loss = self.costs.cost(EXPLORE_NODES + 1, context) + self.overhead_ms(heads_used=True) - plain_ms
         return worst_loss <= EXPLORE_MAX_LOSS * plain_ms
@@ -211,10 +211,14 @@ class AutoBudget:
     def loss_fits(self, context: int | None = None) -> Callable[[int], bool]:
         """Whether a tree of n nodes on top of a `context`-token cache (default: the last step's)
         stays within the loss budget if it accepts nothing; the rates it needs are read once."""
-        context = context if context is not None else (self.records[-1].context_length if self.records else None)
+        context = context if context is not None else self._last_context()
         plain_ms = self._plain_ms_per_token(context)
         room, overhead = self.ledger.room_ms(plain_ms), self.overhead_ms(heads_used=True)
         return lambda nodes: self.costs.cost(nodes + 1, context) + overhead - plain_ms <= room
+
+    def _last_context(self) -> int | None:
+        """The cache length of the last step (None before any)."""
+        return self.records[-1].context_length if self.records else None
 
     def affordable_nodes(self, most: int, context: int) -> int:
         """The largest tree size up to `most` that the loss budget allows (0: the root alone)."""
@@ -261,12 +265,11 @@ class AutoBudget:
         tree = draft.tree
         expected, overhead = self.expected(draft), self.overhead_ms(heads_used)
         uncut, rate = best_prefix(expected, tree.depths[1:], self.costs, overhead, context=context)
-        due = heads_used and self.state == "exploring"
         most = self.affordable_nodes(tree.num_nodes, context) if heads_used else tree.num_nodes
         size = uncut  # the loss budget may cut the tree; whether trees pay is judged uncut
         if uncut > most:
             size, _ = best_prefix(expected[:most], tree.depths[1:most + 1], self.costs, overhead, context=context)
-        exploring = self.exploring = due and size == 0
+        exploring = self.exploring = heads_used and size == 0 and self.state == "exploring"
         if heads_used:  # a root-only step (nothing worth it, or nothing the budget allows) backs off briefly
             self._update_backoff(size, rate, context)
         if exploring:  # without a verified tree the heads' evidence could never change
