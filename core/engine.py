@@ -42,8 +42,15 @@ log = logging.getLogger(__name__)
 # families whose decoder layer is exactly: rms-norm -> attention (rope, GQA) -> residual -> rms-norm
 # -> SiLU-gated MLP -> residual (qwen2 adds q/k/v biases, which FusedLayer carries)
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-# row-count buckets a kernel choice is measured for (a tree of 5 rows uses the choice for <= 8)
-ROW_BUCKETS = (1, 8, 32, 10**9)
+# row-count buckets a kernel choice is measured for (a tree of 3 rows uses the choice for <= 4),
+# each timed at the rows of BUCKET_TIMING_ROWS. Why so fine: the best kernel moves with the row
+# count. Round 18 (Intel Xeon with AMX, fp32): with one bucket for 2-8 rows timed at 8, a 2-row
+# verify's products ran by the 8-row winners took 39.7 ms where `linear` takes 24.2 (one row:
+# 20.1), so the smallest trees cost 1.6x a plain step instead of 1.15x.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 10**9)
+BUCKET_TIMING_ROWS = dict(zip(ROW_BUCKETS, (1, 2, 4, 8, 16, 32, 64)))
+REFERENCE_BUCKET = 8  # the bucket whose gate/up timing checks that a choice was measured quietly
+KERNEL_REPEATS = 3  # timed runs per kernel and bucket (median): with 2, round 17's choices flipped between runs
 # cache rows beyond the context a tree verify may add (the decoder caps a tree at 256 nodes)
 TREE_ROWS_MARGIN = 512
 
@@ -461,7 +468,7 @@ class LeanLlama:
         report = self.choose_kernels()
         after = self._reference_ms()
         chosen = {role: fastest(by_bucket) for role, by_bucket in report.items()}
-        if not measured_quietly(before, after, report["gate_up"][ROW_BUCKETS[1]]["linear"]):
+        if not measured_quietly(before, after, report["gate_up"][REFERENCE_BUCKET]["linear"]):
             log.warning("kernel choice measured on a busy machine: used for this run, not cached")
             return
         try:
@@ -472,7 +479,8 @@ class LeanLlama:
 
     def _reference_ms(self) -> float:
         """One piece of the kernel timing, repeated around it: gate/up products of 8 rows by `linear`."""
-        return _time_kernel(self.roles()["gate_up"], "linear", ROW_BUCKETS[1], 8, repeats=2)
+        return _time_kernel(self.roles()["gate_up"], "linear", REFERENCE_BUCKET,
+                            BUCKET_TIMING_ROWS[REFERENCE_BUCKET], repeats=KERNEL_REPEATS)
 
     def roles(self) -> dict[str, list[Matmul]]:
         """The projections by role (each role's weights share a shape): q/k/v, output, gate/up,
@@ -490,12 +498,12 @@ class LeanLlama:
     def matmuls(self) -> list[Matmul]:
         return [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [self.lm_head]
 
-    def choose_kernels(self, repeats: int = 2) -> dict[str, dict[int, dict[str, float]]]:
+    def choose_kernels(self, repeats: int = KERNEL_REPEATS) -> dict[str, dict[int, dict[str, float]]]:
         """For each role and row bucket, time every available kernel over that role's projections
         in all layers (the weights come from memory, as in a forward) and keep the fastest: the
         best GEMV for a square weight is not the best for the vocabulary projection. Returns the
         measured ms per role, bucket and kernel (also kept in `kernel_report`)."""
-        report = {role: time_kernels(matmuls, dict(zip(ROW_BUCKETS, (1, 8, 32, 64))), repeats)
+        report = {role: time_kernels(matmuls, BUCKET_TIMING_ROWS, repeats)
                   for role, matmuls in self.roles().items()}
         for role, by_bucket in report.items():
             self.apply_kernels(fastest(by_bucket), role)
@@ -504,7 +512,7 @@ class LeanLlama:
         return report
 
 
-def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats: int = 2
+def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats: int = KERNEL_REPEATS
                  ) -> dict[int, dict[str, float]]:
     """Median ms of every kernel available for `matmuls` (one weight shape, one precision) at each
     row bucket (timed with `rows_by_bucket[bucket]` rows); packs the weights when mkldnn is a candidate."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from offline.datagen import TEACHER_TOP, generate_batch, load_captured
-from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads
+from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads, load_heads
 from core.machine import cpu_name
 from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16_batched, load_base_model
 from offline.simulate import head_proposals
@@ -70,6 +70,7 @@ class TrainConfig:
     extract_missing: bool = False  # rows without captured features: one forward each (slow)
     prefix_layer: bool = False  # Hydra only: Hydra++'s prefix attention layer ...
     prefix_stretch: int = 0  # ... trained on batches of stretches of this many positions of an answer (0: whole answers)
+    init: str = ""  # a heads folder to start from (its weights and draft vocabulary; same settings): "" starts fresh
 
     @property
     def depth_sizes(self) -> tuple[int, ...]:
@@ -341,6 +342,22 @@ def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torc
     return module
 
 
+def start_heads(heads: torch.nn.Module, init: str, load: Callable[[Path], torch.nn.Module],
+                fresh_vocab: torch.Tensor) -> None:
+    """Where training starts: the trained heads in folder `init` (weights and draft vocabulary; a
+    continued run on more data), else the zero-initialised `heads` with `fresh_vocab` (the data's
+    most frequent tokens) as draft vocabulary. Raises ValueError when `init` holds other settings."""
+    if not init:
+        heads.draft_vocab.copy_(fresh_vocab)
+        return
+    folder = REPO_ROOT / init if not Path(init).is_absolute() else Path(init)
+    trained = load(folder)
+    if trained.config != heads.config:
+        raise ValueError(f"--init {init}: its heads have other settings than this run's "
+                         f"({trained.config} against {heads.config})")
+    heads.load_state_dict(trained.state_dict())
+
+
 def train_heads(base: BaseModel, features: Features, config: TrainConfig,
                 checkpoint: Path | None = None) -> MedusaHeads:
     """Medusa heads trained on `features`. The heads' draft vocabulary (`config.draft_vocab` most
@@ -352,7 +369,7 @@ def train_heads(base: BaseModel, features: Features, config: TrainConfig,
                                     hidden_size=base.model.config.hidden_size,
                                     vocab_size=vocab_size, draft_vocab_size=draft_size,
                                     depth_vocab=config.depth_sizes))
-    heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
+    start_heads(heads, config.init, load_heads, frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16_batched())
     vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
     fit(heads, lambda index: head_loss(heads, vocabs, features, index, config.decay, config.augment),

@@ -20,13 +20,14 @@ from torch import nn
 from tqdm import tqdm
 
 from core.drafters.medusa import MedusaHeads, default_heads
-from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree
+from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree, load_hydra_heads
 from core.model import BaseModel, fast_bf16_batched
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate
 from core.tree import CandidateTree
 from offline.train import (Augment, Features, TrainConfig, TrainVocab, depth_vocabs, draft_coverage, draft_loss,
-                           features_fingerprint, fit, frequency_vocab, parse_config, run_training, train_vocab)
+                           features_fingerprint, fit, frequency_vocab, parse_config, run_training, start_heads,
+                           train_vocab)
 
 BUDGETS = (16, 32, 64)
 BEAM = HYDRA_BEAM  # as the decoder grows its trees by default
@@ -104,7 +105,7 @@ def train_hydra(base: BaseModel, features: Features, config: TrainConfig,
                                    draft_vocab_size=draft_size, depth_vocab=config.depth_sizes,
                                    prefix_layer=config.prefix_layer, prefix_heads=model_config.num_attention_heads,
                                    prefix_mlp=model_config.intermediate_size))
-    heads.draft_vocab.copy_(frequency_vocab(features.tokens, draft_size, vocab_size))
+    start_heads(heads, config.init, load_hydra_heads, frequency_vocab(features.tokens, draft_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, heads.draft_vocab if draft_size else None, bf16=fast_bf16_batched())
     vocabs = depth_vocabs(vocab, heads.config.depth_vocab, config.num_heads)
     embed_weight = base.model.get_input_embeddings().weight.detach().float()  # [V, H]

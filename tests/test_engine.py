@@ -14,7 +14,8 @@ from transformers import DynamicCache
 
 from offline.datagen import ContinuousBatcher
 from core.decoder import DecodeConfig, decode, start_session
-from core.engine import LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, Matmul, StaticCache, fastest, time_kernels
+from core.engine import (BUCKET_TIMING_ROWS, LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, Matmul, StaticCache, fastest,
+                         time_kernels)
 from core.kvcache import keep_accepted, truncate
 from core.model import ModelConfig
 from core.tree import dynamic_tree
@@ -102,6 +103,30 @@ def test_kernel_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(LeanLlama, "choose_kernels", lambda self: pytest.fail("measured twice"))
     fresh.load_or_choose_kernels(tmp_path)  # read back, not re-measured
     assert [dict(m.kernels) for m in fresh.matmuls()] == chosen
+
+
+def test_small_trees_get_the_kernel_timed_at_their_own_row_count(monkeypatch):
+    """Each bucket is timed at its own rows: a 2-row verify must not run the 8-row winner (round
+    18: on a Xeon with AMX the 8-row winners made a 2-row fp32 verify's products 1.6x `linear`'s)."""
+    timed = []
+
+    def fake_time(matmuls, kernel, bucket, rows, repeats):
+        timed.append((bucket, rows))
+        return {"linear": 1.0 if rows <= 2 else 3.0, "wxt": 2.0}.get(kernel, 9.0)
+
+    monkeypatch.setattr("core.engine._time_kernel", fake_time)
+    lean, _ = _pair()
+    lean.engine.choose_kernels()
+    assert set(timed) == set(BUCKET_TIMING_ROWS.items())
+    down = lean.engine.layers[0].down
+    assert down.kernels[2] == "linear" and down.kernels[8] == "wxt"
+    used = []
+    monkeypatch.setattr(torch, "mm", lambda *args: used.append("wxt") or torch.ops.aten.mm(*args))
+    with torch.inference_mode():
+        down(torch.randn(2, down.weight.shape[1]))
+        assert used == []
+        down(torch.randn(5, down.weight.shape[1]))
+        assert used == ["wxt"]
 
 
 def test_a_kernel_choice_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch):

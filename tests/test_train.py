@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from core.drafters.medusa import load_heads
+from core.drafters.hydra import HydraConfig, HydraHeads, load_hydra_heads
+from core.drafters.medusa import HeadsConfig, MedusaHeads, load_heads
 from offline.train import (Augment, Features, TrainConfig, calibrated_choices, depth_vocabs, extract_features,
-                           frequency_vocab, head_loss, train_heads, train_vocab)
+                           frequency_vocab, head_loss, start_heads, train_heads, train_vocab)
 from core.tree import fixed_tree, load_named_trees
 from tests.test_tree import check_invariants
 
@@ -28,7 +29,6 @@ def test_tiny_training_lowers_loss_and_saves(base_bf16, tiny_features, tmp_path)
     index = torch.arange(tiny_features.hidden.shape[0])
     config = TrainConfig(num_heads=3, epochs=40, batch_size=64, lr=1e-2)
     torch.manual_seed(0)
-    from core.drafters.medusa import HeadsConfig, MedusaHeads
     fresh = MedusaHeads(HeadsConfig(num_heads=3))
     vocab = train_vocab(base_bf16.lm_head.weight, None)
     with torch.no_grad():
@@ -166,3 +166,29 @@ def test_augment_is_off_at_zero_and_corrupts_by_the_amounts_asked():
     assert 0.23 < zeroed < 0.27
     kept = dropped != 0
     assert torch.allclose(dropped[kept], inputs[kept] / 0.75)  # inverted dropout: same expectation
+
+
+@pytest.mark.parametrize("build, load, other", [
+    (lambda **kw: MedusaHeads(HeadsConfig(hidden_size=16, vocab_size=50, draft_vocab_size=20, **kw)), load_heads,
+     {"num_layers": 2}),
+    (lambda **kw: HydraHeads(HydraConfig(hidden_size=16, vocab_size=50, draft_vocab_size=20, prefix_layer=True,
+                                         prefix_heads=2, prefix_mlp=32, **kw)), load_hydra_heads, {"num_heads": 3}),
+])
+def test_training_starts_from_trained_heads_or_fresh_and_refuses_other_settings(build, load, other, tmp_path):
+    torch.manual_seed(0)
+    trained = build()
+    with torch.no_grad():
+        for weight in trained.parameters():
+            weight.normal_()
+    trained.draft_vocab.copy_(torch.arange(20).flip(0))
+    trained.save(tmp_path / "trained")
+    continued = build()
+    start_heads(continued, str(tmp_path / "trained"), load, fresh_vocab=torch.arange(20))
+    for name, value in trained.state_dict().items():
+        assert torch.equal(continued.state_dict()[name], value), name
+    fresh = build()
+    start_heads(fresh, "", load, fresh_vocab=torch.arange(20))
+    assert torch.equal(fresh.draft_vocab, torch.arange(20))
+    assert not all(torch.equal(w, trained.state_dict()[n]) for n, w in fresh.named_parameters())
+    with pytest.raises(ValueError, match="other settings"):
+        start_heads(build(**other), str(tmp_path / "trained"), load, fresh_vocab=torch.arange(20))

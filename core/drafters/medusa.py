@@ -35,7 +35,7 @@ from core.strategy import MAX_TOP_M
 
 DEFAULT_HEADS_DIR = REPO_ROOT / "assets" / "heads"
 # row bucket -> rows timed for it when choosing the draft projection's kernel (see with_measured_kernels)
-DRAFT_ROW_BUCKETS = {1: 1, 8: 4, 32: 9}
+DRAFT_ROW_BUCKETS = {1: 1, 2: 2, 4: 4, 8: 8, 16: 9}
 MIN_DEPTH_VOCAB = MAX_TOP_M  # the fewest rows a head may rank: every head can fill the widest top-m
 
 
