@@ -305,7 +305,7 @@ class DecodeSession:
 
     def _draft_context(self) -> DraftContext:
         return DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden,
-                            history=self.hidden_history)
+                            history=self.hidden_history, max_nodes=self.auto.draft_limit() if self.auto else None)
 
     def _remember_hidden(self, hidden: torch.Tensor, rows: slice | torch.Tensor) -> None:
         """Keep the accepted positions' rows of this forward's hidden states [n, H] when a drafter

@@ -19,7 +19,7 @@ PY=.venv/bin/python
 EPOCHS=${EPOCHS:-1.0}
 MEDUSA_OUT=${MEDUSA_OUT:-assets/heads_candidate}
 HYDRA_OUT=${HYDRA_OUT:-assets/hydra_candidate}
-# round 12's recipe (README, "Drafters and results at a glance"); HYDRA_EXTRA="--prefix-layer true" tries Hydra++'s layer
+# round 12's recipe for Medusa heads (README, "Drafters and results at a glance"); HYDRA_EXTRA adds flags to both Hydra stages
 RECIPE=(--epochs "$EPOCHS" --depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
 mkdir -p data
 unpack() {  # a committed answer file into data/, unless a (possibly longer) copy is there already
@@ -49,8 +49,22 @@ if [ "${SHAREGPT:-0}" = "1" ]; then
       --max-new-tokens 256
   DATA=$DATA,data/distill_chat.jsonl
 fi
+# Hydra, round 18's recipe (shipped): Hydra++'s prefix layer on batches of 64-position stretches,
+# 2 epochs over the chat data (ShareGPT + the older instruction answers), then 1 epoch over all
+# of it at lr 1e-3 from there (--init). Where ShareGPT's answers are absent stage 1 reads all data.
+CHAT=data/distill.jsonl
+if [ -s data/distill_chat.jsonl ]; then  # answered now or by an earlier session on this machine
+  CHAT=data/distill_chat.jsonl,$CHAT
+  case $DATA in *distill_chat*) ;; *) DATA=$DATA,data/distill_chat.jsonl ;; esac
+fi
+HYDRA=(--depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1 --prefix-layer true
+       --prefix-stretch 64)
 # shellcheck disable=SC2086
-$PY -m offline.train_hydra --data "$DATA" --extract-missing true --out "$HYDRA_OUT" "${RECIPE[@]}" ${HYDRA_EXTRA:-}
+$PY -m offline.train_hydra --data "$CHAT" --extract-missing true --out "$HYDRA_OUT.stage1" --epochs 2 "${HYDRA[@]}" \
+    ${HYDRA_EXTRA:-}
+# shellcheck disable=SC2086
+$PY -m offline.train_hydra --data "$DATA" --extract-missing true --out "$HYDRA_OUT" --epochs 1 --lr 1e-3 "${HYDRA[@]}" \
+    --init "$HYDRA_OUT.stage1" ${HYDRA_EXTRA:-}
 $PY -m offline.train --data "$DATA" --extract-missing true --out "$MEDUSA_OUT" "${RECIPE[@]}"
 if [ "${SIMULATE:-0}" = "1" ]; then  # after shipping new Medusa heads
   TREES=fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63,dynamic:128

@@ -326,3 +326,19 @@ def test_streaky_heads_keep_their_gain_under_the_loss_budget():
         tokens, times = _simulate_controller(profile, real, accept_chance=lambda i: 0.15 if (i // 8) % 2 == 0 else 0.75,
                                              steps=128, seed=seed, draft_ms=4.0)
         assert sum(tokens) / sum(times) >= 1.15 / 20.0, (seed, 20.0 * sum(tokens) / sum(times))
+
+
+def test_the_draft_limit_follows_the_trees_the_last_heads_steps_kept():
+    """Twice the largest tree of the last heads steps (at least 2): a tree that pays doubles what
+    the next step drafts; plain steps do not count; no limit before any heads step."""
+    auto = AutoBudget(profile=PROFILE)
+    assert auto.draft_limit() is None
+    draft = build_draft_tree(heads(), [], 16, 8, 4, None)
+    auto.records = [_plain_step(0)]
+    assert auto.draft_limit() is None
+    auto.records = [record(draft.keep(size=0), [])]
+    assert auto.draft_limit() == 2
+    auto.records = [record(draft.keep(size=5), []), record(draft.keep(size=1), []), _plain_step(2)]
+    assert auto.draft_limit() == 10
+    auto.records = [record(draft.keep(size=9), [])] + [record(draft.keep(size=1), [])] * 8
+    assert auto.draft_limit() == 2  # only the last DRAFT_LIMIT_STEPS heads steps

@@ -317,3 +317,24 @@ def test_a_batch_that_starts_inside_an_answer_sees_the_answer_before_it(base):
         got = prefix_states(heads, hidden[index].float(), index, features)  # [7, H]
         first, second = heads.context_states(hidden[:7].float()), heads.context_states(hidden[7:].float())
     assert torch.allclose(got, torch.cat([first[3:], second[:3]]), atol=1e-5)
+
+
+def _node_tokens(grown) -> list[tuple[tuple[int, ...], float]]:
+    """Each node as (its tokens from the root, its score), best first."""
+    table = grown.token_table.tolist()
+    return [(tuple(table[d][path[d]] for d in range(len(path))), round(score, 6))
+            for path, score in zip(grown.tree.paths, grown.tree.scores)]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 9])
+def test_a_draft_limit_grows_the_full_trees_best_nodes(base, limit):
+    """`DraftContext.max_nodes` (the adaptive budget's draft limit) grows fewer, shallower
+    levels, and the nodes are the full growth's best `limit`: the controller sees the same tree."""
+    from core.drafters.interface import DraftContext, HydraDrafter
+    drafter = HydraDrafter(tiny_hydra(base, std=0.5), base, width=8, beam=4, depth=4, budget=40)
+    context = DraftContext(tokens=PROMPT, hidden=torch.randn(base.model.config.hidden_size))
+    full = drafter.propose(context)
+    limited = drafter.propose(dataclasses.replace(context, max_nodes=limit))
+    assert limited.tree.num_nodes == limit
+    assert _node_tokens(limited) == _node_tokens(full)[:limit]
+    assert limited.token_ids.shape[0] == min(4, limit)  # depths beyond the limit are not asked

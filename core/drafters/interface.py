@@ -75,6 +75,8 @@ class DraftContext:
     # the hidden states of the answer so far, one [k, H] chunk per step (the prefill's last
     # position first); the last row is `hidden`. Read by drafters that attend over the answer
     history: Sequence[torch.Tensor] = ()
+    # the most nodes this step's tree can keep (the adaptive budget's `draft_limit`); None: no limit
+    max_nodes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,12 @@ class HydraDrafter:
         return self.heads.prefix is not None
 
     def propose(self, context: DraftContext) -> GrownTree:
+        """The grown tree of `budget` nodes, or of `context.max_nodes` when fewer: the same nodes as
+        the full growth's best `max_nodes` up to exact score ties (a node's ancestors score at least as high, so none lies
+        deeper than `max_nodes` or outside the best `max_nodes` of its depth), for fewer head calls."""
+        budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
         return grow_tree(self.heads, self.embed, self.projection, self._state(context), int(context.tokens[-1]),
-                         budget=self.budget, width=self.width, beam=self.beam, depth=self.depth)
+                         budget=budget, width=self.width, beam=self.beam, depth=min(self.depth, budget))
 
     @torch.inference_mode()
     def _state(self, context: DraftContext) -> torch.Tensor:
