@@ -167,7 +167,8 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None)
             mark = ' class="acc"' if accepted_ranks.get(depth) == rank else ""
             tick = "✓ " if mark else ""
             shade = min(1.0, p ** 0.5) if p == p else 0.0  # sqrt: small probabilities stay visible
-            cells.append(f'<td{mark} style="--p:{shade:.3f}"><code>{tick}{escape(visible(text))}</code>'
+            shown = escape(visible(text))
+            cells.append(f'<td{mark} style="--p:{shade:.3f}" title="{shown} {p:.3f}"><code>{tick}{shown}</code>'
                          f"<small>{p:.3f}</small></td>")
         what = "after the best path" if record.outcome.grown else f"guesses t+{depth + 1}"
         rows.append(f"<tr><th>head {depth}<br><small>{what}</small></th>{''.join(cells)}</tr>")
