@@ -45,8 +45,8 @@ LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # row-count buckets a kernel choice is measured for (a tree of 3 rows uses the choice for <= 4),
 # each timed at the rows of BUCKET_TIMING_ROWS. Why so fine: the best kernel moves with the row
 # count. Round 18 (Intel Xeon with AMX, fp32): with one bucket for 2-8 rows timed at 8, a 2-row
-# verify's products ran by the 8-row winners took 39.7 ms where `linear` takes 24.2 (one row:
-# 20.1), so the smallest trees cost 1.6x a plain step instead of 1.15x.
+# verify's products ran by the 8-row winners took 39.7 ms where `linear` took 24.2 in the same run
+# (one row: 20.1), a 2-row forward 1.63x a one-row one; timed per bucket, 1.03x.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 10**9)
 BUCKET_TIMING_ROWS = dict(zip(ROW_BUCKETS, (1, 2, 4, 8, 16, 32, 64)))
 REFERENCE_BUCKET = 8  # the bucket whose gate/up timing checks that a choice was measured quietly

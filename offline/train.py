@@ -350,8 +350,7 @@ def start_heads(heads: torch.nn.Module, init: str, load: Callable[[Path], torch.
     if not init:
         heads.draft_vocab.copy_(fresh_vocab)
         return
-    folder = REPO_ROOT / init if not Path(init).is_absolute() else Path(init)
-    trained = load(folder)
+    trained = load(repo_path(init))
     if trained.config != heads.config:
         raise ValueError(f"--init {init}: its heads have other settings than this run's "
                          f"({trained.config} against {heads.config})")
@@ -458,8 +457,13 @@ def calibrated_choices(accuracy: list[list[float]], budget: int) -> list[list[in
     return [list(p) for p in chosen]
 
 
+def repo_path(path: str) -> Path:
+    """A command-line path: as given when absolute, else under the repository root."""
+    return Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+
+
 def _out_dir(config: TrainConfig) -> Path:
-    return REPO_ROOT / config.out if not Path(config.out).is_absolute() else Path(config.out)
+    return repo_path(config.out)
 
 
 def _checkpoint(config: TrainConfig) -> Path:
@@ -482,7 +486,7 @@ def run_training(config: TrainConfig, train: Callable[[BaseModel, Features, Trai
     times = {}
     started = time.time()
     base = load_base_model(ModelConfig(dtype="fp32", device="cpu"))
-    paths = [REPO_ROOT / p if not Path(p).is_absolute() else Path(p) for p in config.data.split(",")]
+    paths = [repo_path(p) for p in config.data.split(",")]
     features, card = load_training_features(base, paths, config.extract_missing)
     times["features_s"] = round(time.time() - started, 1)
     out = _out_dir(config)

@@ -19,8 +19,9 @@ PY=.venv/bin/python
 EPOCHS=${EPOCHS:-1.0}
 MEDUSA_OUT=${MEDUSA_OUT:-assets/heads_candidate}
 HYDRA_OUT=${HYDRA_OUT:-assets/hydra_candidate}
-# round 12's recipe for Medusa heads (README, "Drafters and results at a glance"); HYDRA_EXTRA adds flags to both Hydra stages
-RECIPE=(--epochs "$EPOCHS" --depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
+# round 18's recipes (README, "Drafters and results at a glance"); HYDRA_EXTRA adds flags to both Hydra stages
+SHARED=(--depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
+RECIPE=(--epochs "$EPOCHS" --num-layers 2 "${SHARED[@]}")  # Medusa, round 18: 2 ResBlocks per head
 mkdir -p data
 unpack() {  # a committed answer file into data/, unless a (possibly longer) copy is there already
   if [ -f "assets/distill/$1" ] && [ ! -s "data/$2" ]; then
@@ -57,8 +58,7 @@ if [ -s data/distill_chat.jsonl ]; then  # answered now or by an earlier session
   CHAT=data/distill_chat.jsonl,$CHAT
   case $DATA in *distill_chat*) ;; *) DATA=$DATA,data/distill_chat.jsonl ;; esac
 fi
-HYDRA=(--depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1 --prefix-layer true
-       --prefix-stretch 64)
+HYDRA=("${SHARED[@]}" --prefix-layer true --prefix-stretch 64)
 # shellcheck disable=SC2086
 $PY -m offline.train_hydra --data "$CHAT" --extract-missing true --out "$HYDRA_OUT.stage1" --epochs 2 "${HYDRA[@]}" \
     ${HYDRA_EXTRA:-}

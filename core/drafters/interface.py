@@ -156,8 +156,9 @@ class HydraDrafter:
 
     def propose(self, context: DraftContext) -> GrownTree:
         """The grown tree of `budget` nodes, or of `context.max_nodes` when fewer: the same nodes as
-        the full growth's best `max_nodes` up to exact score ties (a node's ancestors score at least as high, so none lies
-        deeper than `max_nodes` or outside the best `max_nodes` of its depth), for fewer head calls."""
+        the full growth's best `max_nodes` up to exact score ties (a node's ancestors score at least
+        as high, so none lies deeper than `max_nodes` or outside the best `max_nodes` of its depth),
+        for fewer head calls."""
         budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
         return grow_tree(self.heads, self.embed, self.projection, self._state(context), int(context.tokens[-1]),
                          budget=budget, width=self.width, beam=self.beam, depth=min(self.depth, budget))
