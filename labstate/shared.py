@@ -155,6 +155,10 @@ def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int
 def header_line() -> str:
     """The page's header: the model, heads, forward and default precision (loads the default model once)."""
     rt = runtime(machine_precision())
-    return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · **Forward:** "
-            f"{rt.base.engine_name} · **Default precision:** {precision_choice().describe()}; fp32 is exact, bf16 "
-            f"exact up to rounding near-ties.")
+    if rt.base.exact:
+        forward = (f"{rt.base.engine.describe()}: every tree row is bitwise the plain step's, so every precision "
+                   f"gives plain greedy decoding's text")
+    else:
+        forward = f"{rt.base.engine_name} (exact up to rounding: a near-tie can flip a token, shown with its gap)"
+    return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · **Forward:** {forward} · "
+            f"**Default precision:** {precision_choice().describe()}.")

@@ -327,6 +327,7 @@ def main() -> None:
         "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": cpu_name(), "fast_bf16": fast_bf16(),
                    "fast_bf16_batched": fast_bf16_batched(),
                    "default_precision": precision_choice().describe(), "engine": base.engine_name,
+                   "engine_detail": base.engine.describe() if hasattr(base.engine, "describe") else base.engine_name,
                    "cuda": torch.cuda.get_device_name() if base.device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},

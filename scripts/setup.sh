@@ -20,3 +20,5 @@ if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
 fi
+# the exact engine's C++ kernels, compiled once for this CPU and cached (the lean forward serves without them)
+PYTHONPATH=. .venv/bin/python -m core.engine.build || echo "exact kernels not built; the lean forward will serve"

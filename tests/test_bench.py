@@ -131,7 +131,7 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
     assert parse_strategy("ar@lean", DecodeConfig()).strategy == AUTOREGRESSIVE
     with pytest.raises(ValueError, match="@lean or @hf"):
         parse_strategy("ar@fast", DecodeConfig())
-    lean, hf = tiny_base("llama"), tiny_base("llama", engine="hf")
+    lean, hf = tiny_base("llama", engine="lean"), tiny_base("llama", engine="hf")
     assert (lean.engine_name, hf.engine_name) == ("lean", "hf")
     from offline.bench import HeadSet
     rows = benchmark(lean, HeadSet(medusa=tiny_heads(lean)), [Prompt(id="p", text="hello there")],

@@ -239,6 +239,7 @@ def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkey
     timings = {(torch.float32, 1): fp32_ms, (torch.bfloat16, 1): bf16_ms,
                (torch.float32, 8): 20.0, (torch.bfloat16, 8): 20.0 / tree_ratio}
     monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.model, "_exact_kernels", lambda: None)  # the rule without the exact kernels
     monkeypatch.setattr(core.model, "_time_products", lambda dtype, rows=1: timings[dtype, rows])
     choice = core.model.precision_choice.__wrapped__(tmp_path)
     assert choice.dtype == expected and expected in choice.describe()
@@ -252,11 +253,28 @@ def test_a_precision_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path,
     fp32_samples = iter([10.0, 18.0])  # the plain step's products, then the same products again
     timings = {(torch.bfloat16, 1): 140.0, (torch.float32, 8): 20.0, (torch.bfloat16, 8): 10.0}
     monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.model, "_exact_kernels", lambda: None)
     monkeypatch.setattr(core.model, "_time_products",
                         lambda dtype, rows=1: next(fp32_samples) if (dtype, rows) == (torch.float32, 1)
                         else timings[dtype, rows])
     choice = core.model.precision_choice.__wrapped__(tmp_path)
     assert choice.dtype == "fp32" and not list(tmp_path.rglob("*.json"))  # this run decides; nothing is kept
+
+
+@pytest.mark.parametrize("times, expected", [
+    ({"fp32": (5.0, 9.0), "bf16": (4.6, 9.0), "gguf": (4.4, 8.7)}, "gguf"),
+    ({"fp32": (5.0, 9.0), "bf16": (14.6, 21.0), "gguf": (7.0, 12.0)}, "fp32"),
+    ({"fp32": (9.0, 12.0), "bf16": (5.0, 7.0), "gguf": (6.0, 9.0)}, "bf16"),
+])
+def test_with_exact_kernels_the_fastest_precision_is_the_default(tmp_path, monkeypatch, times, expected):
+    """Every precision is exact on the kernels, so the one whose plain step plus small tree costs least wins."""
+    import core.model
+    monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.model, "_exact_kernels", lambda: object())
+    monkeypatch.setattr("core.engine.exact.time_modes",
+                        lambda kernels, shapes: {mode: {1: one, 8: eight} for mode, (one, eight) in times.items()})
+    choice = core.model.precision_choice.__wrapped__(tmp_path)
+    assert choice.exact and choice.dtype == expected and "every precision is exact" in choice.describe()
 
 
 @pytest.mark.parametrize("fp32_ms, bf16_ms, tree_ratio, lab, batched", [

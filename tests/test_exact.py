@@ -207,3 +207,48 @@ def test_every_strategy_equals_plain_greedy_on_the_shipped_model(precision, ship
         plain = decode(base, None, ids, DecodeConfig(strategy="autoregressive", max_new_tokens=48)).output_ids
         for heads_used, config in configs:
             assert decode(base, heads_used, ids, config).output_ids == plain, (precision, config.strategy)
+
+
+def test_the_cache_holds_the_largest_tree_the_decoder_accepts():
+    """A verify at the end of the context with every chain grafted in full fits the cache's limit."""
+    from core.strategy import MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS
+    base = tiny_base("llama")
+    cache = base.new_cache()
+    assert cache.limit - base.max_positions >= 1 + MAX_BUDGET + 2 * MAX_CHAINS * MAX_CHAIN_TOKENS
+    cache.length = base.max_positions
+    cache.reserve(1 + MAX_BUDGET + 2 * MAX_CHAINS * MAX_CHAIN_TOKENS)  # no error
+
+
+def test_speculative_sampling_projects_the_judging_rows_at_once():
+    """The walk reads rows it has in hand: one projection for the inner nodes (all of a small tree)."""
+    from core.accept import AcceptConfig, rows_to_project
+    from core.sampling import SamplingConfig
+    from core.tree import fixed_tree
+    config = AcceptConfig(rule="speculative", sampling=SamplingConfig(temperature=0.7))
+    small = fixed_tree([(0,), (1,), (0, 0)])
+    assert rows_to_project(small, config) == [0, 1, 2, 3]
+    large = fixed_tree([(i,) for i in range(20)] + [(0, 0), (0, 0, 0)])
+    assert rows_to_project(large, config) == [0, 1, 21]
+
+
+def test_a_rejected_child_holding_all_the_mass_is_taken_not_a_zero_draw(monkeypatch):
+    """Rounding can leave a residual of zeros after a child with all the mass is rejected: the child is
+    accepted (the only token the residual could give) instead of `multinomial` failing."""
+    from core.accept import AcceptConfig, accept_speculative
+    from core.sampling import SamplingConfig
+    from core.tree import fixed_tree
+    from core.verify import VerifyOutput
+    vocab = 8
+
+    def point_mass_short_of_one(logits, sampling):
+        probs = torch.zeros(vocab)
+        probs[3] = 0.5  # all the mass a rounded distribution left on token 3
+        return probs
+
+    monkeypatch.setattr("core.accept.sampling_probs", point_mass_short_of_one)
+    tree = fixed_tree([(0,)])
+    verified = VerifyOutput(torch.zeros(2, 4), lambda hidden: torch.zeros(hidden.shape[0], vocab))
+    config = AcceptConfig(rule="speculative", sampling=SamplingConfig(temperature=1.0))
+    for seed in range(20):
+        result = accept_speculative(tree, torch.tensor([5, 3]), verified, config, torch.Generator().manual_seed(seed))
+        assert result.accepted_nodes == [0, 1] and result.bonus_token == 3

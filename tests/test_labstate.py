@@ -86,7 +86,7 @@ def tiny_runtime(monkeypatch):
     base = tiny_base("llama", max_positions=2048)  # the lab keeps room for 1024 new tokens and a 256-node tree
     rt = Runtime(base=base, heads=tiny_heads(base), heads_description="tiny heads")
     monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
-    monkeypatch.setitem(labstate._PROFILES, str(base.dtype),
+    monkeypatch.setitem(labstate._PROFILES, base.config.dtype,
                         CostProfile(sizes=[1, 16, 64], ms=[10.0, 12.0, 30.0], device="cpu", model="tiny"))
     return rt
 
@@ -104,7 +104,7 @@ def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypat
     messages: list[str] = []
     shared.warm_up("fp32", tree=True, notify=messages.append)
     assert [m[:len(p)] for m, p in zip(messages, said)] == said and len(messages) == len(said)
-    assert str(base.dtype) in shared._PROFILES
+    assert base.config.dtype in shared._PROFILES
 
 
 SETTINGS = {"strategy": "dynamic", "budget": 12, "top_m": 8, "precision": "fp32", "max_new_tokens": 20,

@@ -73,3 +73,19 @@ def load_kernels(cache_dir: Path) -> ModuleType | None:
         log.warning("exact kernels built in %.0f s (%s)", time.perf_counter() - started, module.ISA)
     _failure.clear()
     return module
+
+
+def main() -> None:
+    """Build (or find) the kernels for this machine: `python -m core.engine.build` (scripts/setup.sh)."""
+    from core.model import CACHE_DIR
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    started = time.perf_counter()
+    module = load_kernels(CACHE_DIR)
+    if module is None:
+        print(f"exact kernels: not available ({kernels_unavailable_reason()}); the lean forward will serve")
+    else:
+        print(f"exact kernels: ready ({module.ISA}, {time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

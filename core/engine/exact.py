@@ -169,9 +169,11 @@ class ExactLlama:
         """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
         holds them too; among the new tokens `tree_mask` (bool [n, n]) or causal order. Computed in
         fp32, returned in the model's precision (what its heads read; a plain step rounds alike)."""
-        n = int(input_ids.shape[0])
-        if not isinstance(cache, StaticCache) or cache.keys.dtype != torch.float32:
+        if not isinstance(cache, StaticCache):  # a slot of batched generation: the lean forward's
+            return self.lean.forward(input_ids, position_ids, cache, tree_mask)
+        if cache.keys.dtype != torch.float32:
             raise TypeError("the exact forward writes an fp32 StaticCache (ExactLlama.new_cache)")
+        n = int(input_ids.shape[0])
         past = cache.get_seq_length()
         cache.reserve(n)
         mask = torch.empty(0, dtype=torch.bool) if tree_mask is None else tree_mask.to(torch.bool).cpu()

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.machine import cpu_name, measured_quietly
+from core.strategy import MAX_TREE_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 10**9)
 BUCKET_TIMING_ROWS = dict(zip(ROW_BUCKETS, (1, 2, 4, 8, 16, 32, 64)))
 REFERENCE_BUCKET = 8  # the bucket whose gate/up timing checks that a choice was measured quietly
 KERNEL_REPEATS = 3  # timed runs per kernel and bucket (median): with 2, round 17's choices flipped between runs
-# cache rows beyond the context a tree verify may add (the decoder caps a tree at 256 nodes)
-TREE_ROWS_MARGIN = 512
+# cache rows beyond the context a tree verify may add: the largest tree the decoder accepts, with
+# every lookup chain and datastore branch grafted in full
+TREE_ROWS_MARGIN = MAX_TREE_ROWS
 
 
 def lean_unsupported_reason(model: nn.Module) -> str | None:

@@ -1,0 +1,67 @@
+"""What a forward of n rows costs on the exact engine, per precision: the README's cost table.
+
+For each precision: the weight bytes a step reads and the time to stream them once (from this
+machine's measured read bandwidth), a plain step (one row, forward + logits) and a verify of
+1-64 rows over a 100-token cache (forward + logits of every row), median of 7. Run it alone.
+
+    PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf fp32 bf16] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from core.engine.lean import median_ms
+from core.machine import cpu_name
+from core.model import ModelConfig, load_base_model
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT = 100
+
+
+def read_bandwidth_gb_s() -> float:
+    """GB/s of summing a 512 MB fp32 tensor (more than any cache holds)."""
+    data = torch.ones(128 * 2**20)
+    return data.numel() * 4 / 1e9 / (median_ms(lambda: data.sum(), 5) / 1e3)
+
+
+def costs(precision: str, bandwidth: float) -> dict:
+    base = load_base_model(ModelConfig(dtype=precision))
+    engine = base.engine
+    prompt = torch.arange(1000, 1000 + CONTEXT)
+    cache = engine.new_cache()
+    engine.forward(prompt, torch.arange(CONTEXT), cache)
+    tokens = torch.arange(2000, 2000 + max(ROWS))
+
+    def verify(rows: int) -> None:
+        hidden = engine.forward(tokens[:rows], torch.arange(CONTEXT, CONTEXT + rows), cache)
+        engine.project(hidden)
+        cache.crop(CONTEXT)
+
+    by_rows = {rows: round(median_ms(lambda: verify(rows), 7), 2) for rows in ROWS}
+    weight_bytes = getattr(engine, "weight_bytes", 0)
+    return {"precision": precision, "engine": base.engine_name,
+            "detail": engine.describe() if hasattr(engine, "describe") else base.engine_name,
+            "weight_mb": round(weight_bytes / 1e6, 1), "weight_read_ms": round(weight_bytes / 1e9 / bandwidth * 1e3, 2),
+            "ms_by_rows": by_rows, "x_plain": {rows: round(ms / by_rows[1], 2) for rows, ms in by_rows.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precisions", nargs="+", default=["gguf", "fp32", "bf16"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    bandwidth = read_bandwidth_gb_s()
+    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "read_gb_s": round(bandwidth, 1),
+              "context": CONTEXT, "modes": [costs(p, bandwidth) for p in args.precisions]}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
