@@ -180,6 +180,7 @@ class DecodeSession:
         # the answer's hidden states, for drafters that attend over them (Hydra's prefix layer)
         self.keeps_history = any(getattr(d, "reads_history", False) for d in (self.heads_drafter, self.rival_drafter))
         self.hidden_history: list[torch.Tensor] = []
+        self._text_seconds = 0.0  # this step's node-text decoding (PhaseTimes.texts)
         self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
         self.generator = torch.Generator().manual_seed(config.seed)
         # room for the prompt, the answer and one tree on top: a static cache never has to grow
@@ -232,6 +233,7 @@ class DecodeSession:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
         max_depth = self._room() - 1  # deeper nodes would not fit the context
         controller = self.auto.state if self.auto is not None else ""
+        self._text_seconds = 0.0
         t0 = _clock(self.base.device)
         heads, chains = self._draft(max_depth)
         draft_seconds = _clock(self.base.device) - t0
@@ -239,7 +241,8 @@ class DecodeSession:
             record = self._step_autoregressive()
         else:
             record = self._step_tree(heads, chains, max_depth)
-        record = replace(record, times=replace(record.times, heads=record.times.heads + draft_seconds),
+        record = replace(record, times=replace(record.times, heads=record.times.heads + draft_seconds,
+                                               texts=self._text_seconds),
                          new_tokens=self._emit(record.new_tokens), controller=controller)
         self.records.append(record)
         if self.auto is not None:
@@ -314,7 +317,14 @@ class DecodeSession:
             self.hidden_history.append(hidden[rows].clone())  # [k, H]
 
     def _texts(self, ids: list[int]) -> list[str]:
-        return self.base.token_texts(ids) if self.config.record_texts else []
+        """Each token's text for the record (none in benchmarks); the time it takes is the step's
+        `texts` phase."""
+        if not self.config.record_texts:
+            return []
+        start = time.perf_counter()
+        texts = self.base.token_texts(ids)
+        self._text_seconds += time.perf_counter() - start
+        return texts
 
     def _draft(self, max_depth: int) -> tuple[HeadProposal | GrownTree | None, list[tuple[Drafter, list[Chain]]]]:
         """Every drafter's candidates for this step (none when no tree node would fit)."""
@@ -398,7 +408,9 @@ class DecodeSession:
         context = cache_length(self.cache)
         twin = torch.Generator()
         twin.set_state(self.generator.get_state())
+        text_seconds = self._text_seconds  # an aside's texts are the comparison's, not the step's
         outcome, _, _, _ = self._verify_and_accept(draft, twin)
+        self._text_seconds = text_seconds
         truncate(self.cache, context)
         return outcome
 

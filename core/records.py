@@ -20,10 +20,19 @@ class PhaseTimes:
     accept: float = 0.0
     commit: float = 0.0
     compare: float = 0.0  # the side-by-side fixed tree (UI only)
+    texts: float = 0.0  # decoding node texts for the page (grows with the tree; 0 in benchmarks)
 
     @property
     def total(self) -> float:
+        """The decoding step's own time (what the benchmark and the speed card compare)."""
         return self.heads + self.tree + self.verify + self.accept + self.commit
+
+    @property
+    def charged(self) -> float:
+        """What the step cost the run that made it: decoding plus its node texts (the budget
+        controller prices trees by this, so a page that names every node does not get trees
+        that only pay without the names)."""
+        return self.total + self.texts
 
 
 @dataclass(frozen=True)

@@ -342,3 +342,24 @@ def test_the_draft_limit_follows_the_trees_the_last_heads_steps_kept():
     assert auto.draft_limit() == 10
     auto.records = [record(draft.keep(size=9), [])] + [record(draft.keep(size=1), [])] * 8
     assert auto.draft_limit() == 2  # only the last DRAFT_LIMIT_STEPS heads steps
+
+
+def test_node_texts_are_timed_and_charged_to_the_step():
+    """The page's node texts are the step's `texts` phase, kept out of the decoding time the speed
+    card compares but charged by the budget controller (trees that only pay unnamed do not pass)."""
+    from core.decoder import DecodeConfig, decode
+    from core.records import PhaseTimes
+    from tests.tiny import tiny_base, tiny_heads
+
+    base = tiny_base("llama")
+    heads = tiny_heads(base)
+    named = decode(base, heads, list(range(30, 50)), DecodeConfig(strategy="dynamic", budget=20, max_new_tokens=12))
+    assert all(r.times.texts > 0 for r in named.records)
+    unnamed = decode(base, heads, list(range(30, 50)), DecodeConfig(strategy="dynamic", budget=20, max_new_tokens=12,
+                                                                      record_texts=False))
+    assert all(r.times.texts == 0 for r in unnamed.records)
+    times = PhaseTimes(heads=0.001, verify=0.01, texts=0.002)
+    assert times.total == pytest.approx(0.011) and times.charged == pytest.approx(0.013)
+    auto = decode(base, heads, list(range(30, 50)), DecodeConfig(strategy="dynamic", auto_budget=True,
+                                                                  max_new_tokens=12))
+    assert auto.auto.ledger.elapsed_ms == pytest.approx(1000 * sum(r.times.charged for r in auto.records))

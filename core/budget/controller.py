@@ -247,7 +247,7 @@ class AutoBudget:
         them once MIN_CORRECTION_SAMPLES ran, else the corrected profile's plain step."""
         recent = [r for r in self.records if not _used_heads(r)][-RATE_STEPS:]
         if len(recent) >= MIN_CORRECTION_SAMPLES:
-            return 1000 * sum(r.times.total for r in recent) / sum(len(r.new_tokens) for r in recent)
+            return 1000 * sum(r.times.charged for r in recent) / sum(len(r.new_tokens) for r in recent)
         return 1.0 / plain_rate(self.costs, self.overhead_ms(heads_used=False), context)
 
     def probe_plain(self) -> bool:
@@ -291,9 +291,9 @@ class AutoBudget:
         heads_right = False  # a tree step accepted at least one node the heads proposed
         if _used_heads(record):
             heads_right = self._calibrate(record) > 0
-            self.ledger.charge(1000 * record.times.total, len(record.new_tokens),
+            self.ledger.charge(1000 * record.times.charged, len(record.new_tokens),
                                self._plain_ms_per_token(record.context_length))
-        self.ledger.elapsed_ms += 1000 * record.times.total
+        self.ledger.elapsed_ms += 1000 * record.times.charged
         self.ledger.fade()
         if _tree_step(record):
             self.last_tree_step = self.steps
@@ -355,7 +355,7 @@ class AutoBudget:
             recent = [r for r in self.records if not _used_heads(r)][-RATE_STEPS:]
         if len(recent) < MIN_RATE_STEPS:
             return None
-        return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.total for r in recent))
+        return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.charged for r in recent))
 
     def _probe_measured(self, record: StepRecord) -> None:
         """A one-token step: if the plain cost agrees with what was measured before (within
@@ -369,7 +369,7 @@ class AutoBudget:
         self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if agrees else PROBE_EVERY
 
     def overhead_ms(self, heads_used: bool) -> float:
-        """Mean non-verify time (draft, tree, accept, commit) of recent steps with or without heads.
+        """Mean non-verify time (draft, tree, accept, commit, node texts) of recent steps with or without heads.
 
         Verify times include the logits' projection (the profile measures it too). Before any plain
         step, a plain step's overhead is estimated by the tree steps' accept time.
@@ -377,7 +377,7 @@ class AutoBudget:
         window = self.records[-OVERHEAD_STEPS:]
         recent = [r for r in window if _used_heads(r) == heads_used]
         if recent:
-            return 1000 * sum(r.times.total - r.times.verify for r in recent) / len(recent)
+            return 1000 * sum(r.times.charged - r.times.verify for r in recent) / len(recent)
         tree_recent = [r for r in window if _used_heads(r)]
         if not heads_used and tree_recent:
             return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
