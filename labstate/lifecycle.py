@@ -112,10 +112,12 @@ def ensure_run(lab: LabState, prompt: str, settings: Settings) -> tuple[Run, str
     the prompt or settings changed under a run that goes on."""
     run = lab.run
     changed = run is not None and (prompt != run.prompt or settings != run.settings)
-    if changed:
-        prepare(prompt, settings)  # bad new input is reported even while the old run continues
     if run is not None and not run.session.finished:
+        if changed:  # bad new settings are reported while the run goes on; the prompt box is not read
+            prepare(run.prompt, settings)
         return run, "Prompt or settings changed: press **Start** to apply them." if changed else ""
+    if changed:
+        prepare(prompt, settings)
     if run is not None and not changed:
         raise _finished_notice(run)
     return start_run(lab, prompt, settings), ""

@@ -135,6 +135,20 @@ def test_start_step_run_stop_reset_on_a_tiny_model(tiny_runtime):
         labstate.check_now(lab)
 
 
+def test_step_on_a_paused_run_never_reads_the_prompt_box(tiny_runtime):
+    """The run goes on with its own prompt: an emptied prompt box says Start would apply it, and
+    never refuses the Step; bad new settings are still refused (they would be applied next Start)."""
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    labstate.start_fresh(lab, PROMPT, settings)
+    assert "press **Start** to apply" in labstate.step_once(lab, "", settings)
+    assert "press **Start** to apply" in labstate.step_once(lab, "   ", settings)
+    assert len(lab.run.session.records) == 2 and lab.run.prompt == PROMPT
+    too_deep = labstate.parse_settings({**SETTINGS, "depth": 5})  # the tiny runtime has 4 heads
+    with pytest.raises(labstate.LabInputError, match="exceeds the 4 heads"):
+        labstate.step_once(lab, "", too_deep)
+
+
 def test_a_run_that_loses_its_session_says_so(tiny_runtime):
     settings = labstate.parse_settings(SETTINGS)
     lab = labstate.LabState()
