@@ -463,8 +463,9 @@ def test_verification_view_shows_the_base_models_token_beside_the_candidates():
     assert "sampled" in verification_html(stopped, greedy=False)
     argmax = dataclasses.replace(stopped.outcome, base_top_tokens=[101, 555, -1, -1, -1, -1, -1, -1, -1])
     sampled = verification(dataclasses.replace(stopped, outcome=argmax))  # recorded argmax: shown as is
-    assert sampled[1].choice == "#555" and "argmax" in verification_html(dataclasses.replace(stopped, outcome=argmax),
-                                                                         greedy=False)
+    sampled_page = verification_html(dataclasses.replace(stopped, outcome=argmax), greedy=False)
+    assert sampled[1].choice == "#555" and "argmax (for reference: sampling accepts by probability)" in sampled_page
+    assert "sampling rule accepted" in sampled_page and "no candidate matches" not in sampled_page  # issue 48
     assert "root alone" in verification_html(_record(0, _autoregressive_outcome()), greedy=True)
 
 

@@ -103,15 +103,23 @@ def verification_html(record: StepRecord | None, greedy: bool, token_bytes: Toke
     if not checks:
         return ('<div class="verify empty">Nothing to verify in this step: the tree is the root alone, so the base '
                 'model just emitted its own next token (the bonus).</div>')
-    who = ("the base model's top token (its argmax)" if greedy or base_tops(record) is not None else
-           "the base model's token (sampled: accepted by the rule, or the bonus drawn from the residual)")
+    # the heading and verdicts follow the acceptance rule: greedy accepts the argmax, sampling by probability
+    if greedy:
+        who = "the base model's top token (its argmax)"
+        verdicts = ("✓ a candidate matches: the path goes on",
+                    "✗ no candidate matches: the path stops here and the base model's token becomes the bonus")
+    else:
+        who = ("the base model's argmax (for reference: sampling accepts by probability)" if base_tops(record)
+               is not None else "the base model's token (sampled: accepted by the rule, or the bonus drawn from "
+               "the residual)")
+        verdicts = ("✓ the sampling rule accepted a candidate: the path goes on",
+                    "✗ the rule accepted no candidate: the path stops and the bonus is drawn from what remains")
     rows = []
     for check in checks:
         shown = sorted(check.candidates, key=lambda c: (not c.matches, -c.probability))[:max_candidates]
         more = len(check.candidates) - len(shown)
         extra = f' <span class="more">+{more} more ✗</span>' if more > 0 else ""
-        verdict = ("✓ a candidate matches: the path goes on" if check.accepted else
-                   "✗ no candidate matches: the path stops here and the base model's token becomes the bonus")
+        verdict = verdicts[0] if check.accepted else verdicts[1]
         rows.append(f'<tr class="{"ok" if check.accepted else "stop"}"><th>depth {check.depth}</th>'
                     f'<td><code>{escape(visible(check.parent))}</code></td>'
                     f'<td><code class="choice">{escape(visible(check.choice))}</code></td>'
