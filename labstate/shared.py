@@ -161,4 +161,4 @@ def header_line() -> str:
     else:
         forward = f"{rt.base.engine_name} (exact up to rounding: a near-tie can flip a token, shown with its gap)"
     return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · **Forward:** {forward} · "
-            f"**Default precision:** {precision_choice().describe()}.")
+            f"**Default precision:** {precision_choice().describe()}. (Terms: the *Glossary* in How it works.)")
