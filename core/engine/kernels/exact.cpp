@@ -37,12 +37,15 @@ typedef int8_t v16s8 __attribute__((vector_size(16)));
 constexpr int LANES = 16;
 
 #if defined(__AVX512F__)
+#define TILE_ROWS_MAX 6
 constexpr int TILE_ROWS = 6, TILE_COLS = 4;  // 24 accumulators in 32 registers
 constexpr const char* ISA = "avx512";
 #elif defined(__FMA__)
+#define TILE_ROWS_MAX 2
 constexpr int TILE_ROWS = 2, TILE_COLS = 3;  // 12 of 16 ymm registers (a v16f is two)
 constexpr const char* ISA = "avx2+fma";
 #else
+#define TILE_ROWS_MAX 2
 constexpr int TILE_ROWS = 2, TILE_COLS = 2;
 constexpr const char* ISA = "generic";
 #endif
@@ -267,6 +270,23 @@ inline void tile_row_block(const float* x, int64_t ldx, const float* w, int64_t 
   for (; c < cols; ++c) tile<R, 1>(x, ldx, w + c * k, k, out + c, ldo, k);
 }
 
+// the last rows < TILE_ROWS in one tile of their own count (more accumulators in flight than row by
+// row; each output element's arithmetic is the same either way)
+inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, float* out, int64_t ldo,
+                      int64_t cols) {
+  switch (rows) {
+    case 1: tile_row_block<1>(x, k, w, k, out, ldo, cols); break;
+#if TILE_ROWS_MAX > 2
+    case 2: tile_row_block<2>(x, k, w, k, out, ldo, cols); break;
+    case 3: tile_row_block<3>(x, k, w, k, out, ldo, cols); break;
+    case 4: tile_row_block<4>(x, k, w, k, out, ldo, cols); break;
+    default: tile_row_block<5>(x, k, w, k, out, ldo, cols); break;
+#else
+    default: tile_row_block<1>(x, k, w, k, out, ldo, cols); break;
+#endif
+  }
+}
+
 // out [n, w.out] = x [n, w.in] @ w.T (+ bias)
 void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
@@ -278,7 +298,7 @@ void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
       int64_t r = 0;
       for (; r + TILE_ROWS <= n; r += TILE_ROWS)
         tile_row_block<TILE_ROWS>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
-      for (; r < n; ++r) tile_row_block<1>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
+      if (r < n) tail_rows(n - r, x + r * w.in, w.in, wb, out + r * w.out + first, w.out, cols);
       if (w.bias.defined()) {
         const float* b = w.bias.data_ptr<float>() + first;
         for (int64_t i = 0; i < n; ++i)
