@@ -57,7 +57,8 @@ inline v16f vload(const float* p) {
   return v;
 }
 inline void vstore(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-inline v16f vset(float x) { return v16f{} + x; }
+// x in every lane (a broadcast, not 0 + x, which would turn -0 into +0)
+inline v16f vset(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // a * b + c rounded once; the same result on every instruction set (std::fma is exact too)
 inline v16f vfma(v16f a, v16f b, v16f c) {
@@ -270,6 +271,52 @@ inline void tile_row_block(const float* x, int64_t ldx, const float* w, int64_t 
   for (; c < cols; ++c) tile<R, 1>(x, ldx, w + c * k, k, out + c, ldo, k);
 }
 
+// One row through quantised weights (a plain step), dequantised in registers: the weight values
+// (d * q, then + m) and the fused multiply-adds per lane are those of the buffered path, in the
+// same order (a block's low half feeds lanes 0-15 at k = 32b + l, its high half at k = 32b + 16 + l),
+// so the result is bitwise the same; the buffer's stores and loads are what it saves.
+template <int FMT, int C>
+inline void gemv_columns(const float* x, const uint8_t* w, int64_t stride, int64_t blocks, float* out) {
+  v16f acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = v16f{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const v16f lo_x = vload(x + b * QBLOCK), hi_x = vload(x + b * QBLOCK + 16);
+    for (int c = 0; c < C; ++c) {
+      uint16_t dh;
+      if constexpr (FMT == Q4_1) {
+        const uint8_t* block = w + c * stride + b * 20;
+        uint16_t mh;
+        std::memcpy(&dh, block, 2);
+        std::memcpy(&mh, block + 2, 2);
+        const v16f d = vset(half_to_float(dh)), m = vset(half_to_float(mh));
+        v16u8 q;
+        std::memcpy(&q, block + 4, 16);
+        acc[c] = vfma(lo_x, u8_to_float(q & 0x0f) * d + m, acc[c]);
+        acc[c] = vfma(hi_x, u8_to_float(q >> 4) * d + m, acc[c]);
+      } else {
+        const uint8_t* block = w + c * stride + b * 34;
+        std::memcpy(&dh, block, 2);
+        const v16f d = vset(half_to_float(dh));
+        v16s8 q0, q1;
+        std::memcpy(&q0, block + 2, 16);
+        std::memcpy(&q1, block + 18, 16);
+        acc[c] = vfma(lo_x, s8_to_float(q0) * d, acc[c]);
+        acc[c] = vfma(hi_x, s8_to_float(q1) * d, acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) out[c] = hsum(acc[c]);
+}
+
+template <int FMT>
+inline void gemv_block(const float* x, const Weight& w, int64_t first, int64_t cols, float* out) {
+  const uint8_t* rows = w.bytes + first * w.stride;
+  const int64_t blocks = w.in / QBLOCK;
+  int64_t c = 0;
+  for (; c + 4 <= cols; c += 4) gemv_columns<FMT, 4>(x, rows + c * w.stride, w.stride, blocks, out + first + c);
+  for (; c < cols; ++c) gemv_columns<FMT, 1>(x, rows + c * w.stride, w.stride, blocks, out + first + c);
+}
+
 // the last rows < TILE_ROWS in one tile of their own count (more accumulators in flight than row by
 // row; each output element's arithmetic is the same either way)
 inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, float* out, int64_t ldo,
@@ -291,14 +338,20 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(w.format == F32 ? 0 : COL_BLOCK * w.in);
+    std::vector<float> scratch(w.format == F32 || (n == 1 && w.format >= Q8_0) ? 0 : COL_BLOCK * w.in);
     for (int64_t block = begin; block < end; ++block) {
       const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
-      const float* wb = w.rows(first, cols, scratch.data());  // [cols, in]
-      int64_t r = 0;
-      for (; r + TILE_ROWS <= n; r += TILE_ROWS)
-        tile_row_block<TILE_ROWS>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
-      if (r < n) tail_rows(n - r, x + r * w.in, w.in, wb, out + r * w.out + first, w.out, cols);
+      if (n == 1 && w.format == Q4_1) {
+        gemv_block<Q4_1>(x, w, first, cols, out);
+      } else if (n == 1 && w.format == Q8_0) {
+        gemv_block<Q8_0>(x, w, first, cols, out);
+      } else {
+        const float* wb = w.rows(first, cols, scratch.data());  // [cols, in]
+        int64_t r = 0;
+        for (; r + TILE_ROWS <= n; r += TILE_ROWS)
+          tile_row_block<TILE_ROWS>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
+        if (r < n) tail_rows(n - r, x + r * w.in, w.in, wb, out + r * w.out + first, w.out, cols);
+      }
       if (w.bias.defined()) {
         const float* b = w.bias.data_ptr<float>() + first;
         for (int64_t i = 0; i < n; ++i)
@@ -319,8 +372,18 @@ void rms_norm_row(const float* x, const float* weight, float* y, int64_t h, floa
   for (int64_t i = 0; i < h; ++i) y[i] = weight[i] * (x[i] * inverse);
 }
 
+// row-wise work of a few rows runs on the calling thread: a parallel region costs more than it
+// saves there (the per-row arithmetic is the same either way)
+constexpr int64_t PARALLEL_ROWS = 4;
+constexpr int64_t PARALLEL_KEYS = 4096;  // attention: (row, head, key) triples below which one thread serves
+template <typename F>
+inline void for_rows(int64_t n, const F& f) {
+  if (n < PARALLEL_ROWS) f(int64_t{0}, n);
+  else at::parallel_for(0, n, 1, f);
+}
+
 void rms_norm(const float* x, const float* weight, float* y, int64_t n, int64_t h, float eps) {
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  for_rows(n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * h, weight, y + r * h, h, eps);
   });
 }
@@ -494,7 +557,7 @@ class Model {
   void store_rotated(float* qkv, const int64_t* pos, int64_t n, int64_t past, float* keys, float* values,
                      int64_t capacity) const {
     const int64_t d = cfg.head_dim, width = (cfg.heads + 2 * cfg.kv_heads) * d;
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for_rows(n, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         float* row = qkv + i * width;
         const float* c = cos.data_ptr<float>() + pos[i] * d;
@@ -513,7 +576,7 @@ class Model {
                  const float* values, int64_t capacity, float* out) const {
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
-    at::parallel_for(0, n * cfg.heads, 1, [&](int64_t begin, int64_t end) {
+    auto attend = [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / cfg.heads, head = task % cfg.heads, kv = head / group;
@@ -521,12 +584,15 @@ class Model {
                    seen[i].data(), static_cast<int64_t>(seen[i].size()), d, cfg.scale,
                    out + i * cfg.heads * d + head * d, scores);
       }
-    });
+    };
+    // a few short rows are cheaper on the calling thread than split (each task's arithmetic is its own)
+    if (n * cfg.heads * (past + n) < PARALLEL_KEYS) attend(0, n * cfg.heads);
+    else at::parallel_for(0, n * cfg.heads, 1, attend);
   }
 
   void silu_mul(const float* gate_up, float* out, int64_t n) const {
     const int64_t width = cfg.intermediate;
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for_rows(n, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float* gate = gate_up + r * 2 * width;
         const float* up = gate + width;
