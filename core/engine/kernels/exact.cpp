@@ -271,17 +271,19 @@ inline void tile_row_block(const float* x, int64_t ldx, const float* w, int64_t 
   for (; c < cols; ++c) tile<R, 1>(x, ldx, w + c * k, k, out + c, ldo, k);
 }
 
-// One row through quantised weights (a plain step), dequantised in registers: the weight values
-// (d * q, then + m) and the fused multiply-adds per lane are those of the buffered path, in the
-// same order (a block's low half feeds lanes 0-15 at k = 32b + l, its high half at k = 32b + 16 + l),
-// so the result is bitwise the same; the buffer's stores and loads are what it saves.
-template <int FMT, int C>
-inline void gemv_columns(const float* x, const uint8_t* w, int64_t stride, int64_t blocks, float* out) {
-  v16f acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = v16f{};
+// A few rows through quantised weights (a plain step, a small tree), dequantised in registers: the
+// weight values (d * q, then + m) and the fused multiply-adds per lane are those of the buffered
+// path, in the same order (a block's low half feeds lanes 0-15 at k = 32b + l, its high half at
+// k = 32b + 16 + l), so the result is bitwise the same; the buffer's stores and reloads are saved.
+template <int FMT, int R, int C>
+inline void direct_columns(const float* x, int64_t ldx, const uint8_t* w, int64_t stride, int64_t blocks,
+                           float* out, int64_t ldo) {
+  v16f acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = v16f{};
   for (int64_t b = 0; b < blocks; ++b) {
-    const v16f lo_x = vload(x + b * QBLOCK), hi_x = vload(x + b * QBLOCK + 16);
     for (int c = 0; c < C; ++c) {
+      v16f lo, hi;
       uint16_t dh;
       if constexpr (FMT == Q4_1) {
         const uint8_t* block = w + c * stride + b * 20;
@@ -291,8 +293,8 @@ inline void gemv_columns(const float* x, const uint8_t* w, int64_t stride, int64
         const v16f d = vset(half_to_float(dh)), m = vset(half_to_float(mh));
         v16u8 q;
         std::memcpy(&q, block + 4, 16);
-        acc[c] = vfma(lo_x, u8_to_float(q & 0x0f) * d + m, acc[c]);
-        acc[c] = vfma(hi_x, u8_to_float(q >> 4) * d + m, acc[c]);
+        lo = u8_to_float(q & 0x0f) * d + m;
+        hi = u8_to_float(q >> 4) * d + m;
       } else {
         const uint8_t* block = w + c * stride + b * 34;
         std::memcpy(&dh, block, 2);
@@ -300,21 +302,40 @@ inline void gemv_columns(const float* x, const uint8_t* w, int64_t stride, int64
         v16s8 q0, q1;
         std::memcpy(&q0, block + 2, 16);
         std::memcpy(&q1, block + 18, 16);
-        acc[c] = vfma(lo_x, s8_to_float(q0) * d, acc[c]);
-        acc[c] = vfma(hi_x, s8_to_float(q1) * d, acc[c]);
+        lo = s8_to_float(q0) * d;
+        hi = s8_to_float(q1) * d;
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = vfma(vload(x + r * ldx + b * QBLOCK), lo, acc[r][c]);
+        acc[r][c] = vfma(vload(x + r * ldx + b * QBLOCK + 16), hi, acc[r][c]);
       }
     }
   }
-  for (int c = 0; c < C; ++c) out[c] = hsum(acc[c]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
 }
 
-template <int FMT>
-inline void gemv_block(const float* x, const Weight& w, int64_t first, int64_t cols, float* out) {
+template <int FMT, int R>
+inline void direct_block(const float* x, const Weight& w, int64_t first, int64_t cols, float* out) {
   const uint8_t* rows = w.bytes + first * w.stride;
   const int64_t blocks = w.in / QBLOCK;
   int64_t c = 0;
-  for (; c + 4 <= cols; c += 4) gemv_columns<FMT, 4>(x, rows + c * w.stride, w.stride, blocks, out + first + c);
-  for (; c < cols; ++c) gemv_columns<FMT, 1>(x, rows + c * w.stride, w.stride, blocks, out + first + c);
+  for (; c + 4 <= cols; c += 4)
+    direct_columns<FMT, R, 4>(x, w.in, rows + c * w.stride, w.stride, blocks, out + first + c, w.out);
+  for (; c < cols; ++c)
+    direct_columns<FMT, R, 1>(x, w.in, rows + c * w.stride, w.stride, blocks, out + first + c, w.out);
+}
+
+constexpr int64_t DIRECT_ROWS = 4;  // up to this many rows, quantised weights are dequantised in registers
+
+template <int FMT>
+inline void direct_rows(const float* x, int64_t n, const Weight& w, int64_t first, int64_t cols, float* out) {
+  switch (n) {
+    case 1: direct_block<FMT, 1>(x, w, first, cols, out); break;
+    case 2: direct_block<FMT, 2>(x, w, first, cols, out); break;
+    case 3: direct_block<FMT, 3>(x, w, first, cols, out); break;
+    default: direct_block<FMT, 4>(x, w, first, cols, out); break;
+  }
 }
 
 // the last rows < TILE_ROWS in one tile of their own count (more accumulators in flight than row by
@@ -337,14 +358,15 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 // out [n, w.out] = x [n, w.in] @ w.T (+ bias)
 void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
+  const bool direct = w.format >= Q8_0 && n <= DIRECT_ROWS;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(w.format == F32 || (n == 1 && w.format >= Q8_0) ? 0 : COL_BLOCK * w.in);
+    std::vector<float> scratch(w.format == F32 || direct ? 0 : COL_BLOCK * w.in);
     for (int64_t block = begin; block < end; ++block) {
       const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
-      if (n == 1 && w.format == Q4_1) {
-        gemv_block<Q4_1>(x, w, first, cols, out);
-      } else if (n == 1 && w.format == Q8_0) {
-        gemv_block<Q8_0>(x, w, first, cols, out);
+      if (direct && w.format == Q4_1) {
+        direct_rows<Q4_1>(x, n, w, first, cols, out);
+      } else if (direct) {
+        direct_rows<Q8_0>(x, n, w, first, cols, out);
       } else {
         const float* wb = w.rows(first, cols, scratch.data());  // [cols, in]
         int64_t r = 0;
