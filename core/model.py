@@ -386,7 +386,10 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
         return PrecisionChoice(dtype="bf16", fp32_ms=0.0, bf16_ms=0.0, device="cuda")
     folder = cache_dir or CACHE_DIR / "precision"
     kernels = _exact_kernels()
-    kind = "exact-modes" if kernels is not None else "plain+tree"
+    kind = "plain+tree"
+    if kernels is not None:  # a kernel change changes what each precision costs
+        from core.engine.build import build_key
+        kind = f"exact-modes|{build_key()}"
     key = hashlib.sha256(f"{kind}|{cpu_fingerprint()}|{torch.__version__}|{torch.get_num_threads()}".encode()
                          ).hexdigest()[:16]
     path = folder / f"{key}.json"
