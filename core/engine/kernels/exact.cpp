@@ -271,7 +271,7 @@ inline void tile_row_block(const float* x, int64_t ldx, const float* w, int64_t 
   for (; c < cols; ++c) tile<R, 1>(x, ldx, w + c * k, k, out + c, ldo, k);
 }
 
-// A few rows through quantised weights (a plain step, a small tree), dequantised in registers: the
+// A few rows through bf16 or quantised weights (a plain step, a small tree), widened in registers: the
 // weight values (d * q, then + m) and the fused multiply-adds per lane are those of the buffered
 // path, in the same order (a block's low half feeds lanes 0-15 at k = 32b + l, its high half at
 // k = 32b + 16 + l), so the result is bitwise the same; the buffer's stores and reloads are saved.
@@ -285,7 +285,11 @@ inline void direct_columns(const float* x, int64_t ldx, const uint8_t* w, int64_
     for (int c = 0; c < C; ++c) {
       v16f lo, hi;
       uint16_t dh;
-      if constexpr (FMT == Q4_1) {
+      if constexpr (FMT == BF16) {  // 32 bf16 numbers: 64 bytes
+        const uint8_t* block = w + c * stride + b * 64;
+        lo = bf16_to_float(block);
+        hi = bf16_to_float(block + 32);
+      } else if constexpr (FMT == Q4_1) {
         const uint8_t* block = w + c * stride + b * 20;
         uint16_t mh;
         std::memcpy(&dh, block, 2);
@@ -326,7 +330,7 @@ inline void direct_block(const float* x, const Weight& w, int64_t first, int64_t
     direct_columns<FMT, R, 1>(x, w.in, rows + c * w.stride, w.stride, blocks, out + first + c, w.out);
 }
 
-constexpr int64_t DIRECT_ROWS = 4;  // up to this many rows, quantised weights are dequantised in registers
+constexpr int64_t DIRECT_ROWS = 4;  // up to this many rows, bf16 / quantised weights widen in registers
 
 template <int FMT>
 inline void direct_rows(const float* x, int64_t n, const Weight& w, int64_t first, int64_t cols, float* out) {
@@ -358,15 +362,18 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 // out [n, w.out] = x [n, w.in] @ w.T (+ bias)
 void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
-  const bool direct = w.format >= Q8_0 && n <= DIRECT_ROWS;
+  // (bf16 in 32-number steps like a quantised block, where the width allows)
+  const bool direct = (w.format >= Q8_0 || (w.format == BF16 && w.in % QBLOCK == 0)) && n <= DIRECT_ROWS;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(w.format == F32 || direct ? 0 : COL_BLOCK * w.in);
     for (int64_t block = begin; block < end; ++block) {
       const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
       if (direct && w.format == Q4_1) {
         direct_rows<Q4_1>(x, n, w, first, cols, out);
-      } else if (direct) {
+      } else if (direct && w.format == Q8_0) {
         direct_rows<Q8_0>(x, n, w, first, cols, out);
+      } else if (direct) {
+        direct_rows<BF16>(x, n, w, first, cols, out);
       } else {
         const float* wb = w.rows(first, cols, scratch.data());  // [cols, in]
         int64_t r = 0;
