@@ -10,7 +10,7 @@ import torch
 
 from core.decoder import DecodeConfig, decode
 from core.engine.build import load_kernels
-from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, random_weight
+from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, KernelProduct, random_weight
 from core.engine.lean import LeanLlama
 from core.model import CACHE_DIR, ModelConfig, load_base_model
 from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
@@ -131,7 +131,11 @@ def test_greedy_equals_plain_with_every_tiny_drafter():
     for heads_used, config in [(heads, DecodeConfig(strategy="dynamic", budget=40, max_new_tokens=40)),
                                (heads, DecodeConfig(strategy="fixed", max_new_tokens=40)),
                                (hydra, DecodeConfig(strategy="hydra", budget=30, max_new_tokens=40))]:
-        assert decode(base, heads_used, prompt, config).output_ids == own_plain
+        session = decode(base, heads_used, prompt, config)
+        assert session.output_ids == own_plain
+        # the drafts' vocabulary projection runs through the kernels too (bf16 rows here)
+        products = session.heads_drafter.projection.products.values()
+        assert products and all(isinstance(p, KernelProduct) for p in products)
 
 
 def test_the_lean_forward_serves_when_the_kernels_cannot_build(monkeypatch, tmp_path):

@@ -179,14 +179,15 @@ def test_int8_draft_products_stay_close_and_are_kept_only_when_faster(monkeypatc
 
 
 def test_greedy_with_int8_bf16_drafts_stays_exact(monkeypatch):
-    """fp32 decoding whose heads draft in bf16 through int8 products still equals plain greedy."""
+    """fp32 decoding whose heads draft in bf16 through int8 products still equals plain greedy (the lean
+    forward's drafts; on the exact engine drafts go through its kernels, tests/test_exact.py)."""
     import core.drafters.interface as interface
     import core.drafters.medusa as medusa
     from core.decoder import DecodeConfig, decode
     from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
     monkeypatch.setattr(interface, "drafting_dtype", lambda base: torch.bfloat16)
     monkeypatch.setattr(medusa, "INT8_GAIN", float("inf"))
-    base = tiny_base("llama")
+    base = tiny_base("llama", engine="lean")
     prompt = list(b"the cat sat on the mat and the cat sat on the")
     expected = greedy_reference(base, prompt, 32)
     for heads, strategy in ((tiny_heads(base, seed=3), "dynamic"), (tiny_hydra(base, seed=3), "hydra")):

@@ -112,12 +112,12 @@ TOO_MANY_PATHS = json.dumps([[r] for r in range(60)] + [[r, c] for r in range(8)
 # (endpoint, prompt, setting overrides, regex the error message must match)
 BAD_INPUTS = [
     ("start", "", {}, r"Type a prompt"),
-    ("step", " \n\t  ", {}, r"Type a prompt"),
+    ("start", " \n\t  ", {}, r"Type a prompt"),  # (Step and Run on a paused run never read the prompt box)
     ("start", "\x00\x01\x7f", {}, r"Type a prompt"),  # nothing left once control characters are removed
     ("start", 12345, {}, r"the prompt must be text, got int"),
     ("start", "x" * 50_000, {}, r"The prompt is [\d,]+ tokens \(50,000 characters\); the lab accepts prompts of "
                                 r"up to 2,048 tokens"),
-    ("run", "hello " * 9_000, {}, r"The prompt is (9,\d\d\d) tokens .*the model's context is 8,192 tokens"),
+    ("start", "hello " * 9_000, {}, r"The prompt is (9,\d\d\d) tokens .*the model's context is 8,192 tokens"),
     ("start", "y" * 200_000, {}, r"The prompt is 200,000 characters"),
     ("start", PROMPT_A, {"budget": 10 ** 9}, r"node budget must be between 1 and 256, got 1000000000"),
     ("step", PROMPT_A, {"budget": "abc"}, r"node budget must be a whole number, got 'abc'"),
@@ -182,7 +182,7 @@ def test_bad_input_is_refused_with_a_message_and_both_sessions_go_on(two_session
         _call(a, api, prompt, **{**long_run, **overrides})
     assert re.search(message, str(raised.value)), str(raised.value)
     assert "Traceback" not in str(raised.value)
-    if api == "run" and "9," in message:  # the over-long prompt: the count really is above the context
+    if "9," in message:  # the over-long prompt: the count really is above the context
         assert int(re.search(message, str(raised.value)).group(1).replace(",", "")) > 8192
     # the same session still has its run and steps on; so does another session
     view = _call(a, "step", LONG_A, **long_run)

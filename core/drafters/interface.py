@@ -59,7 +59,9 @@ def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel
         if projection is not None and base.engine is not None:
             # Medusa projects once onto its widest rows; Hydra multiplies every depth's own rows
             rows = (projection.widest_rows,) if isinstance(heads, MedusaHeads) else ()
-            projection = projection.with_measured_kernels(rows)
+            # on the exact engine, through its kernels: the GGUF's Q8_0 rows (gguf) or bf16 ones
+            projection = (projection.with_products(base.engine.draft_product, rows) if base.exact
+                          else projection.with_measured_kernels(rows))
         drafting_heads = heads if next(heads.parameters()).dtype == dtype else copy.deepcopy(heads).to(dtype)
         cast[dtype] = (drafting_heads, projection)
     drafting, projection = cast[dtype]

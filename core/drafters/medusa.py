@@ -113,6 +113,15 @@ class DraftProjection:
         """The same rows in `dtype` (kernel choices are per precision, so none carry over)."""
         return DraftProjection(weight=self.weight.to(dtype), token_ids=self.token_ids, depth_vocab=self.depth_vocab)
 
+    def with_products(self, make: Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]],
+                      row_counts: Collection[int] = ()) -> "DraftProjection":
+        """The same projection, each of `row_counts` (default: every depth's) multiplied by
+        `make(weight rows, their token ids)` (the exact engine's kernels: `ExactLlama.draft_product`)."""
+        counts = sorted(set(row_counts) or set(self.depth_vocab) or {self.weight.shape[0]})
+        ids = self.token_ids
+        return replace(self, products={rows: make(self.weight[:rows], None if ids is None else ids[:rows])
+                                       for rows in counts})
+
     def with_measured_kernels(self, row_counts: Collection[int] = ()) -> "DraftProjection":
         """The same projection, each of `row_counts` (default: every depth's) multiplied by the
         kernel that measured fastest here for the row counts drafting uses (1: a root; 4: Medusa's

@@ -79,6 +79,18 @@ class GgufBlocks:
         return fmt, np.ascontiguousarray(raw[order])
 
 
+class KernelProduct:
+    """`x @ weight.T` through the exact kernels for one kernel weight (any leading shape, returned in
+    x's precision)."""
+
+    def __init__(self, kernels: ModuleType, weight: object) -> None:
+        self.kernels, self.weight = kernels, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.kernels.matmul(x.reshape(-1, x.shape[-1]), self.weight)  # [rows, out]
+        return out.reshape(*x.shape[:-1], self.weight.out).to(x.dtype)
+
+
 class ExactLlama:
     """The exact forward of a model the lean forward covers; the same interface as `LeanLlama`
     (`forward`, `project`, `new_cache`), plus `mode`. Batched generation stays on the lean forward."""
@@ -95,6 +107,7 @@ class ExactLlama:
         blocks = GgufBlocks.read(gguf_path) if mode == "gguf" and gguf_path is not None else None
         self.weight_bytes = 0
         self.quantized_fallbacks: list[str] = []  # gguf mode: weights read as fp32 (their blocks did not match)
+        self.raw_rows: dict[str, tuple[int, np.ndarray]] = {}  # gguf mode: a one-part weight's blocks, model row order
         self.model = self._build(blocks)
 
     # -- construction ---------------------------------------------------------------------------
@@ -110,6 +123,8 @@ class ExactLlama:
                 parts.append(blocks.rows_for(name, weight[start:start + rows]) if rows else None)
                 start += rows
             if parts and all(p is not None for p in parts) and len({p[0] for p in parts}) == 1:
+                if len(parts) == 1:
+                    self.raw_rows[gguf_parts[0]] = parts[0]
                 raw = torch.from_numpy(np.concatenate([p[1] for p in parts]))  # [out, row_bytes]
                 self.weight_bytes += raw.numel()
                 return self.kernels.Weight(parts[0][0], raw, out, width, bias)
@@ -186,6 +201,20 @@ class ExactLlama:
         """Logits of hidden [..., H]: [..., V] fp32, by the same row-invariant product."""
         logits = self.model.project(hidden.reshape(-1, hidden.shape[-1]))  # [rows, V]
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+
+    def draft_product(self, weight: torch.Tensor, token_ids: torch.Tensor | None) -> "KernelProduct":
+        """`x @ weight.T` through the kernels for a drafter's vocabulary projection (rows of the tied
+        embedding: `token_ids`, or the first rows when None). Drafts only propose, so bytes matter
+        here, not exactness: the GGUF's own Q8_0 rows in gguf mode (a quarter of fp32's bytes), bf16
+        elsewhere."""
+        rows, width = weight.shape
+        raw = self.raw_rows.get("token_embd.weight")
+        ids = token_ids[:rows] if token_ids is not None else torch.arange(rows)
+        if raw is not None and torch.equal(weight[:4].float(), self.lean.embed[ids[:4]].float()):
+            fmt, blocks = raw
+            return KernelProduct(self.kernels, self.kernels.Weight(fmt, torch.from_numpy(blocks[ids.numpy()]), rows, width))
+        return KernelProduct(self.kernels, self.kernels.Weight(BF16, weight.detach().bfloat16().contiguous(), rows,
+                                                           width))
 
     def new_slots(self, slots: int, capacity: int) -> SlotCache:
         return self.lean.new_slots(slots, capacity)
