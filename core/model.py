@@ -344,10 +344,14 @@ class PrecisionChoice:
                 f"and {self.tree_speedup:.2f}x on an 8-node tree's, {verdict}")
 
 
+# one layer's projections of the shipped model (q/k/v, output, gate/up, down): [out, in]
+PLAIN_STEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
 def _time_products(dtype: torch.dtype, rows: int = 1, layers: int = 12, repeats: int = 5) -> float:
     """Median ms of `rows` rows through `layers` layers of the shipped model's projection shapes
     (random weights, more than a CPU cache holds, so they stream from memory as in a real step)."""
-    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    shapes = PLAIN_STEP_SHAPES
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers) for shape in shapes]
     inputs = {width: torch.randn(rows, width).to(dtype) for width in (576, 1536)}
@@ -401,7 +405,7 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
             log.warning("ignoring an unreadable precision measurement in %s", path)
     measured = _measure_exact_modes(kernels) if kernels is not None else _measure_torch_precisions()
     choice = dataclasses.replace(measured, dtype=_decided(measured))
-    again = _measure_exact_modes(kernels).fp32_ms if kernels is not None else _time_products(torch.float32)
+    again = _exact_fp32_ms(kernels) if kernels is not None else _time_products(torch.float32)
     if not measured_quietly(measured.fp32_ms, again):
         # a busy machine (a generator beside it once timed bf16 at 14x fp32 on a Xeon where it is 1.1x):
         # decide for this process only, measure again next time
@@ -433,7 +437,7 @@ def _measure_torch_precisions() -> PrecisionChoice:
 def _measure_exact_modes(kernels) -> PrecisionChoice:
     """The shipped model's layer shapes through the exact kernels in each precision, 1 and 8 rows."""
     from core.engine.exact import time_modes
-    ms = time_modes(kernels, ((960, 576), (576, 576), (3072, 576), (576, 1536)))
+    ms = time_modes(kernels, PLAIN_STEP_SHAPES)
     return PrecisionChoice(dtype="fp32", device="cpu", exact=True,
                            fp32_ms=round(ms["fp32"][1], 2), fp32_tree_ms=round(ms["fp32"][8], 2),
                            bf16_ms=round(ms["bf16"][1], 2), bf16_tree_ms=round(ms["bf16"][8], 2),
@@ -475,6 +479,12 @@ def gguf_location() -> tuple[Path, str] | None:
     folder = Path(spec.origin).parent
     files = sorted(folder.glob("*.gguf"))
     return (folder, files[0].name) if files else None
+
+
+def _exact_fp32_ms(kernels) -> float:
+    """The fp32 plain-step products of `_measure_exact_modes` again (the busy-machine check)."""
+    from core.engine.exact import time_modes
+    return time_modes(kernels, PLAIN_STEP_SHAPES, rows=(1,), modes=("fp32",))["fp32"][1]
 
 
 # the model package and its GGUF as the heads, datastore, gallery and results were built on

@@ -272,7 +272,7 @@ def test_with_exact_kernels_the_fastest_precision_is_the_default(tmp_path, monke
     monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(core.model, "_exact_kernels", lambda: object())
     monkeypatch.setattr("core.engine.exact.time_modes",
-                        lambda kernels, shapes: {mode: {1: one, 8: eight} for mode, (one, eight) in times.items()})
+                        lambda kernels, shapes, **options: {mode: {1: one, 8: eight} for mode, (one, eight) in times.items()})
     choice = core.model.precision_choice.__wrapped__(tmp_path)
     assert choice.exact and choice.dtype == expected and "every precision is exact" in choice.describe()
 

@@ -250,14 +250,15 @@ def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator
 
 
 def time_modes(kernels: ModuleType, shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...] = (1, 8),
-               layers: int = 8, repeats: int = 5) -> dict[str, dict[int, float]]:
+               layers: int = 8, repeats: int = 5, modes: tuple[str, ...] = MODES) -> dict[str, dict[int, float]]:
     """Median ms of `layers` layers of products of `shapes` through the exact kernels, per mode and
     row count (more weights than a CPU cache holds, so they stream from memory as in a forward)."""
     from core.engine.lean import median_ms
     generator = torch.Generator().manual_seed(0)
     formats = {"fp32": F32, "bf16": BF16, "gguf": Q4_1}
     report: dict[str, dict[int, float]] = {}
-    for mode, fmt in formats.items():
+    for mode in modes:
+        fmt = formats[mode]
         weights = [random_weight(kernels, fmt, out, width, generator) for _ in range(layers) for out, width in shapes]
         report[mode] = {}
         for count in rows:

@@ -179,6 +179,39 @@ int64_t row_bytes(int format, int64_t k) {
   TORCH_CHECK(false, "unknown weight format ", format);
 }
 
+// Block b (32 numbers) of one weight row as fp32, its first 16 in lo and the next 16 in hi: the one
+// decoder every product path uses, so the buffered and the in-register paths read the same values.
+// bf16 is the top half of fp32's bits; Q8_0 is d * q; Q4_1 is d * q, then + m (rounded apart, as
+// gguf does), element j the low nibble of byte j and element j + 16 its high nibble.
+template <int FMT>
+inline void decode_block(const uint8_t* row, int64_t b, v16f& lo, v16f& hi) {
+  if constexpr (FMT == BF16) {
+    const uint8_t* block = row + b * 64;
+    lo = bf16_to_float(block);
+    hi = bf16_to_float(block + 32);
+  } else if constexpr (FMT == Q4_1) {
+    const uint8_t* block = row + b * 20;
+    uint16_t dh, mh;
+    std::memcpy(&dh, block, 2);
+    std::memcpy(&mh, block + 2, 2);
+    const v16f d = vset(half_to_float(dh)), m = vset(half_to_float(mh));
+    v16u8 q;
+    std::memcpy(&q, block + 4, 16);
+    lo = u8_to_float(q & 0x0f) * d + m;
+    hi = u8_to_float(q >> 4) * d + m;
+  } else {
+    const uint8_t* block = row + b * 34;
+    uint16_t dh;
+    std::memcpy(&dh, block, 2);
+    const v16f d = vset(half_to_float(dh));
+    v16s8 q0, q1;
+    std::memcpy(&q0, block + 2, 16);
+    std::memcpy(&q1, block + 18, 16);
+    lo = s8_to_float(q0) * d;
+    hi = s8_to_float(q1) * d;
+  }
+}
+
 // A weight [out, in] in one of the formats above (data: the raw rows, contiguous), with an
 // optional fp32 bias [out].
 struct Weight {
@@ -216,30 +249,17 @@ struct Weight {
   }
 
   void dequantize_row(const uint8_t* src, float* dst) const {
-    if (format == BF16) {  // a bf16 number is the top half of its fp32 bits
+    if (format == BF16 && in % QBLOCK) {  // bf16 widths need only be whole vectors
       for (int64_t k = 0; k < in; k += LANES) vstore(dst + k, bf16_to_float(src + 2 * k));
-    } else if (format == Q8_0) {  // d * q
-      for (int64_t b = 0; b < in / QBLOCK; ++b, src += 34, dst += QBLOCK) {
-        uint16_t dh;
-        std::memcpy(&dh, src, 2);
-        const v16f d = vset(half_to_float(dh));
-        v16s8 q0, q1;
-        std::memcpy(&q0, src + 2, 16);
-        std::memcpy(&q1, src + 18, 16);
-        vstore(dst, s8_to_float(q0) * d);
-        vstore(dst + 16, s8_to_float(q1) * d);
-      }
-    } else {  // Q4_1, d * q + m: element j is the low nibble of byte j, element j + 16 its high nibble
-      for (int64_t b = 0; b < in / QBLOCK; ++b, src += 20, dst += QBLOCK) {
-        uint16_t dh, mh;
-        std::memcpy(&dh, src, 2);
-        std::memcpy(&mh, src + 2, 2);
-        const v16f d = vset(half_to_float(dh)), m = vset(half_to_float(mh));
-        v16u8 q;
-        std::memcpy(&q, src + 4, 16);
-        vstore(dst, u8_to_float(q & 0x0f) * d + m);
-        vstore(dst + 16, u8_to_float(q >> 4) * d + m);
-      }
+      return;
+    }
+    for (int64_t b = 0; b < in / QBLOCK; ++b, dst += QBLOCK) {
+      v16f lo, hi;
+      if (format == BF16) decode_block<BF16>(src, b, lo, hi);
+      else if (format == Q8_0) decode_block<Q8_0>(src, b, lo, hi);
+      else decode_block<Q4_1>(src, b, lo, hi);
+      vstore(dst, lo);
+      vstore(dst + 16, hi);
     }
   }
 };
@@ -271,10 +291,10 @@ inline void tile_row_block(const float* x, int64_t ldx, const float* w, int64_t 
   for (; c < cols; ++c) tile<R, 1>(x, ldx, w + c * k, k, out + c, ldo, k);
 }
 
-// A few rows through bf16 or quantised weights (a plain step, a small tree), widened in registers: the
-// weight values (d * q, then + m) and the fused multiply-adds per lane are those of the buffered
-// path, in the same order (a block's low half feeds lanes 0-15 at k = 32b + l, its high half at
-// k = 32b + 16 + l), so the result is bitwise the same; the buffer's stores and reloads are saved.
+// A few rows through bf16 or quantised weights (a plain step, a small tree), widened in registers by
+// decode_block, as the buffered path widens them, with the same fused multiply-adds per lane in the
+// same order (a block's low half feeds lanes 0-15 at k = 32b + l, its high half at k = 32b + 16 + l),
+// so the result is bitwise the same; the buffer's stores and reloads are saved.
 template <int FMT, int R, int C>
 inline void direct_columns(const float* x, int64_t ldx, const uint8_t* w, int64_t stride, int64_t blocks,
                            float* out, int64_t ldo) {
@@ -284,31 +304,7 @@ inline void direct_columns(const float* x, int64_t ldx, const uint8_t* w, int64_
   for (int64_t b = 0; b < blocks; ++b) {
     for (int c = 0; c < C; ++c) {
       v16f lo, hi;
-      uint16_t dh;
-      if constexpr (FMT == BF16) {  // 32 bf16 numbers: 64 bytes
-        const uint8_t* block = w + c * stride + b * 64;
-        lo = bf16_to_float(block);
-        hi = bf16_to_float(block + 32);
-      } else if constexpr (FMT == Q4_1) {
-        const uint8_t* block = w + c * stride + b * 20;
-        uint16_t mh;
-        std::memcpy(&dh, block, 2);
-        std::memcpy(&mh, block + 2, 2);
-        const v16f d = vset(half_to_float(dh)), m = vset(half_to_float(mh));
-        v16u8 q;
-        std::memcpy(&q, block + 4, 16);
-        lo = u8_to_float(q & 0x0f) * d + m;
-        hi = u8_to_float(q >> 4) * d + m;
-      } else {
-        const uint8_t* block = w + c * stride + b * 34;
-        std::memcpy(&dh, block, 2);
-        const v16f d = vset(half_to_float(dh));
-        v16s8 q0, q1;
-        std::memcpy(&q0, block + 2, 16);
-        std::memcpy(&q1, block + 18, 16);
-        lo = s8_to_float(q0) * d;
-        hi = s8_to_float(q1) * d;
-      }
+      decode_block<FMT>(w + c * stride, b, lo, hi);
       for (int r = 0; r < R; ++r) {
         acc[r][c] = vfma(vload(x + r * ldx + b * QBLOCK), lo, acc[r][c]);
         acc[r][c] = vfma(vload(x + r * ldx + b * QBLOCK + 16), hi, acc[r][c]);
