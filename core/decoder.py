@@ -22,18 +22,20 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from core.accept import AcceptConfig, accept, rows_to_project
 from core.budget.controller import AutoBudget
 from core.drafters.datastore import StoreDrafter, TokenStore, default_store
-from core.drafters.interface import Chain, DraftContext, Drafter, HeadProposal, HeadsDrafter, HydraDrafter, LookupDrafter
-from core.drafters.medusa import MedusaHeads
-from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraHeads
+from core.drafters.interface import Chain, DraftContext, Drafter, HeadProposal, LookupDrafter
+from core.drafters.grown import GrownTree
+from core.drafters.hydra import HYDRA_BEAM
+from core.families import family
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import PhaseTimes, StepRecord, TreeOutcome
-from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HF, HYDRA, LOOKUP,
+from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HF, LOOKUP,
                            LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS,
                            STRATEGIES, TREE_STRATEGIES, StrategyError, StrategySpec)
 from core.sampling import next_token
@@ -148,20 +150,18 @@ def _top2(logits: torch.Tensor) -> tuple[float, float]:
 class DecodeSession:
     """One prompt being decoded: KV cache, emitted tokens and step records. Not thread-safe."""
 
-    def __init__(self, base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt_ids: Sequence[int],
+    def __init__(self, base: BaseModel, heads: nn.Module | None, prompt_ids: Sequence[int],
                  config: DecodeConfig, profile: CostProfile | None = None, *, store: TokenStore | None = None,
-                 rival: MedusaHeads | HydraHeads | None = None) -> None:
+                 rival: nn.Module | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if config.strategy != AUTOREGRESSIVE:
-            wanted = HydraHeads if config.strategy == HYDRA else MedusaHeads
-            if not isinstance(heads, wanted):
-                raise ValueError(f"strategy {config.strategy!r} needs {'Hydra' if wanted is HydraHeads else 'Medusa'} heads")
-            if config.depth > heads.config.num_heads:
-                raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+        self.family = family(config.strategy)
+        if self.family.drafts and heads is None:
+            raise ValueError(f"strategy {config.strategy!r} needs {self.family.weights_name}")
         self.base = base
         self.config = config
-        self.fixed = config.resolve_fixed_tree() if config.strategy == FIXED or config.compare_fixed else None
+        compared = config.compare_fixed and config.strategy == DYNAMIC  # a fixed tree over the same heads
+        self.fixed = config.resolve_fixed_tree() if config.strategy == FIXED or compared else None
         if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
             raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
         if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
@@ -175,11 +175,15 @@ class DecodeSession:
                              f"{base.max_positions} leaves no room for an answer")
         self.heads_drafter = self._heads_drafter(heads)
         # the other family's heads, drafting from the same context for the side-by-side view
-        self.rival_drafter = self._heads_drafter(rival) if config.compare_rival and rival is not None else None
+        self.rival_drafter = self._heads_drafter(rival, rival=True) if config.compare_rival and rival is not None else None
         self.chain_drafters = self._chain_drafters(store)
-        # the answer's hidden states, for drafters that attend over them (Hydra's prefix layer)
-        self.keeps_history = any(getattr(d, "reads_history", False) for d in (self.heads_drafter, self.rival_drafter))
+        # the answer's hidden states, for drafters that attend over them (Hydra's prefix layer, the
+        # EAGLE layer), and the states the verify forward taps for them (EAGLE's low and mid layers)
+        drafters = (self.heads_drafter, self.rival_drafter)
+        self.keeps_history = any(getattr(d, "reads_history", False) for d in drafters)
+        self.taps: tuple[int, ...] = next((d.taps for d in drafters if getattr(d, "taps", ())), ())
         self.hidden_history: list[torch.Tensor] = []
+        self.feature_history: list[torch.Tensor] = []
         self._text_seconds = 0.0  # this step's node-text decoding (PhaseTimes.texts)
         self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -191,16 +195,15 @@ class DecodeSession:
         self.prefill_seconds = 0.0
         self._prefill()
 
-    def _heads_drafter(self, heads: MedusaHeads | HydraHeads | None) -> HeadsDrafter | HydraDrafter | None:
-        if self.config.strategy == AUTOREGRESSIVE or heads is None:
+    def _heads_drafter(self, heads: object | None, rival: bool = False) -> Drafter | None:
+        """The family's drafter over `heads` (its weights); `rival`: the weights' own family, drafting
+        beside this session's for the side-by-side view."""
+        if not self.family.drafts or heads is None:
             return None
-        if isinstance(heads, HydraHeads):
-            return HydraDrafter(heads, self.base, width=self.config.top_m, beam=self.config.hydra_beam,
-                                depth=self.config.depth, budget=self.config.budget)
-        width = max(self.config.top_m, self.fixed.max_rank + 1 if self.fixed else 1)
-        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
-        depth = max(self.config.depth, self.fixed.max_depth if self.fixed else 0)
-        return HeadsDrafter(heads, self.base, width=width, depth=depth)
+        if not rival:
+            return self.family.build_drafter(heads, self.base, self.config)
+        config = replace(self.config, strategy=heads.family, compare_fixed=False, compare_rival=False)
+        return family(heads.family).build_drafter(heads, self.base, config)
 
     def _chain_drafters(self, store: TokenStore | None) -> list[Drafter]:
         drafters: list[Drafter] = []
@@ -259,7 +262,7 @@ class DecodeSession:
         twin.records, twin.output_ids = list(self.records), list(self.output_ids)
         twin.chain_drafters = copy.deepcopy(self.chain_drafters)
         twin.heads_drafter, twin.rival_drafter = copy.copy(self.heads_drafter), copy.copy(self.rival_drafter)
-        twin.hidden_history = list(self.hidden_history)
+        twin.hidden_history, twin.feature_history = list(self.hidden_history), list(self.feature_history)
         twin.auto = copy.deepcopy(self.auto)
         twin.generator = torch.Generator().manual_seed(seed)
         return twin
@@ -274,9 +277,9 @@ class DecodeSession:
         start = time.perf_counter()
         with torch.inference_mode():
             ids = torch.tensor(self.prompt_ids)
-            out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)))
+            out = forward_tokens(self.base, self.cache, ids, torch.arange(len(ids)), taps=self.taps)
         self.last_hidden = out.hidden[-1]  # [H]
-        self._remember_hidden(out.hidden, slice(-1, None))
+        self._remember_hidden(out, slice(-1, None))
         logits = out.row(len(self.prompt_ids) - 1)  # [V]
         self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
         self.prefill_top_logits = _top2(logits)
@@ -308,13 +311,18 @@ class DecodeSession:
 
     def _draft_context(self) -> DraftContext:
         return DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden,
-                            history=self.hidden_history, max_nodes=self.auto.draft_limit() if self.auto else None)
+                            history=self.hidden_history, max_nodes=self.auto.draft_limit() if self.auto else None,
+                            features=self.feature_history)
 
-    def _remember_hidden(self, hidden: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        """Keep the accepted positions' rows of this forward's hidden states [n, H] when a drafter
-        reads them (a copy: a prefill's other rows are not kept alive); nothing otherwise."""
-        if self.keeps_history:
-            self.hidden_history.append(hidden[rows].clone())  # [k, H]
+    def _remember_hidden(self, out: VerifyOutput, rows: slice | torch.Tensor) -> None:
+        """Keep the accepted positions' rows of this forward's hidden states [n, H] (and tapped
+        states) when a drafter reads them (copies: a prefill's other rows are not kept alive)."""
+        if not self.keeps_history:
+            return
+        self.hidden_history.append(out.hidden[rows].clone())  # [k, H]
+        if self.taps:
+            tapped = out.tapped[:, rows]  # [T, k, H]
+            self.feature_history.append(torch.cat(list(tapped) + [out.hidden[rows]], dim=-1))  # [k, (T+1)H]
 
     def _texts(self, ids: list[int]) -> list[str]:
         """Each token's text for the record (none in benchmarks); the time it takes is the step's
@@ -346,14 +354,15 @@ class DecodeSession:
         device = self.base.device
         context = cache_length(self.cache)
         t0 = _clock(device)
-        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]))
+        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),
+                             taps=self.taps)
         logits = out.row(0)  # [V] the logits belong to the forward, as in a tree step
         t1 = _clock(device)
         bonus = next_token(logits, self.config.accept.sampling, self.generator)
         top_logits = _top2(logits)  # the margin of this choice, for near-tie checks
         t2 = _clock(device)
         self.last_hidden, self.root_token = out.hidden[0], bonus
-        self._remember_hidden(out.hidden, slice(0, 1))
+        self._remember_hidden(out, slice(0, 1))
         root = int(self.output_ids[-1])
         outcome = TreeOutcome(tree=CandidateTree(paths=[], kind=AUTOREGRESSIVE), node_tokens=[root],
                               node_scores=[1.0], accepted_nodes=[0], bonus_token=bonus,
@@ -384,7 +393,7 @@ class DecodeSession:
         buffers = tree.buffers()
         tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
         t0 = _clock(device)
-        out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids)
+        out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids, self.taps)
         out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
         t1 = _clock(device)
         result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
@@ -449,7 +458,7 @@ class DecodeSession:
         accepted = torch.tensor(outcome.accepted_nodes, device=device)  # [k] root first
         keep_accepted(self.cache, context, accepted)
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
-        self._remember_hidden(out.hidden, accepted)
+        self._remember_hidden(out, accepted)
         self.root_token = outcome.bonus_token
         commit_seconds = _clock(device) - c0
         self._observe_chains(drafted, draft, outcome.accepted_tokens)
@@ -478,9 +487,9 @@ class DecodeSession:
             drafter.observe(proposed, [next(depths) for _ in proposed], accepted_tokens)
 
 
-def start_session(base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt: str | Sequence[int],
+def start_session(base: BaseModel, heads: nn.Module | None, prompt: str | Sequence[int],
                   config: DecodeConfig, profile: CostProfile | None = None, *,
-                  store: TokenStore | None = None, rival: MedusaHeads | HydraHeads | None = None) -> DecodeSession:
+                  store: TokenStore | None = None, rival: nn.Module | None = None) -> DecodeSession:
     """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session.
     `rival`: the other heads family, drafting beside `heads` when `config.compare_rival` (UI only)."""
     if isinstance(prompt, str):
@@ -496,7 +505,7 @@ def start_session(base: BaseModel, heads: MedusaHeads | HydraHeads | None, promp
     return DecodeSession(base, heads, prompt_ids, config, profile, store=store, rival=rival)
 
 
-def decode(base: BaseModel, heads: MedusaHeads | HydraHeads | None, prompt: str | Sequence[int], config: DecodeConfig,
+def decode(base: BaseModel, heads: nn.Module | None, prompt: str | Sequence[int], config: DecodeConfig,
            profile: CostProfile | None = None, *, store: TokenStore | None = None) -> DecodeSession:
     """Run a prompt to the end; the finished session holds the output and every step record."""
     session = start_session(base, heads, prompt, config, profile, store=store)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.strategy import HYDRA
+from core.families import grows_tree
 from core.tree import CandidateTree
 
 
@@ -70,8 +70,9 @@ class TreeOutcome:
 
     @property
     def grown(self) -> bool:
-        """True for a tree Hydra heads grew: a node's column is not a rank, its children are its own."""
-        return self.tree.kind == HYDRA
+        """True for a tree a drafter grew node by node (Hydra, EAGLE): a node's column is not a rank,
+        its children are its own."""
+        return grows_tree(self.tree.kind)
 
     def sibling_ranks(self) -> list[int]:
         """[n+1] each node's rank among its siblings by score (0 best; the root 0). For the heads'

@@ -4,6 +4,7 @@
     fixed[:<tree name or JSON file>]            Medusa's fixed tree
     dynamic[:<budget>|auto][+lookup][+store]    the dynamic tree from the heads' joint probabilities
     hydra[:<budget>|auto][+lookup][+store]      the tree Hydra heads grow node by node
+    eagle[:<budget>|auto][+lookup][+store]      the tree the EAGLE draft layer grows from the base's features
     hf:greedy | hf:prompt_lookup                transformers' own generate, as peers (benchmark only)
     any of them + @exact | @lean | @hf          on the exact kernels, the lean forward or transformers' (benchmark only)
 
@@ -17,15 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# step kinds and decoding families (the values StepRecord.strategy and DecodeConfig.strategy take)
-AUTOREGRESSIVE = "autoregressive"
-FIXED = "fixed"
-DYNAMIC = "dynamic"
-HYDRA = "hydra"  # a tree grown node by node by Hydra heads (core.drafters.hydra)
+# the family names are re-exported: callers spell strategies with them
+from core.families import AUTOREGRESSIVE, DYNAMIC, EAGLE, FAMILIES, FIXED, HYDRA  # noqa: F401
+
+# decoding families (the values StepRecord.strategy and DecodeConfig.strategy take): core.families
 LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (a step kind, not a family)
 HF = "hf"  # transformers' generate as a peer (benchmark only)
-STRATEGIES = (AUTOREGRESSIVE, FIXED, DYNAMIC, HYDRA)
-TREE_STRATEGIES = (DYNAMIC, HYDRA)  # the families that take chains and the adaptive budget
+STRATEGIES = tuple(FAMILIES)
+TREE_STRATEGIES = tuple(name for name, entry in FAMILIES.items() if entry.sized)  # chains and the adaptive budget
 HF_PEERS = ("greedy", "prompt_lookup")
 ENGINES = ("exact", "lean", "hf")
 ADDITIONS = ("lookup", "store")
@@ -44,8 +44,8 @@ MAX_TREE_ROWS = 1 + MAX_BUDGET + 2 * MAX_CHAINS * MAX_CHAIN_TOKENS
 LOOKUP_TOKENS = 10  # the chain `+lookup` adds (transformers' prompt_lookup_num_tokens is 10 too)
 STORE_TOKENS = 8  # the length of each branch `+store` adds
 
-GRAMMAR = ("ar, fixed[:<tree>], dynamic[:<n>|auto][+lookup][+store], hydra[:<n>|auto][+lookup][+store], "
-           "hf:greedy, hf:prompt_lookup, each optionally @exact, @lean or @hf")
+GRAMMAR = ("ar, fixed[:<tree>], " + ", ".join(f"{name}[:<n>|auto][+lookup][+store]" for name in TREE_STRATEGIES)
+           + ", hf:greedy, hf:prompt_lookup, each optionally @exact, @lean or @hf")
 
 
 class StrategyError(ValueError):
@@ -70,7 +70,8 @@ class StrategySpec:
             raise StrategyError(f"unknown strategy family {self.family!r}: use {GRAMMAR}")
         grown = self.family in TREE_STRATEGIES
         if (self.auto or self.lookup or self.store or self.budget is not None) and not grown:
-            raise StrategyError(f"{self.family} takes no budget, auto, +lookup or +store (only dynamic and hydra do)")
+            raise StrategyError(f"{self.family} takes no budget, auto, +lookup or +store (only "
+                                 f"{', '.join(TREE_STRATEGIES)} do)")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
                                         or not 1 <= self.budget <= MAX_BUDGET):
             raise StrategyError(f"the node budget must be a whole number from 1 to {MAX_BUDGET}, got {self.budget!r}")
@@ -109,7 +110,7 @@ class StrategySpec:
         elif self.family == FIXED:
             name = f"fixed ({self.tree})" if self.tree else "fixed"
         else:
-            name = "Hydra tree" if self.family == HYDRA else "dynamic"
+            name = FAMILIES[self.family].label
             cap = f" ≤ {self.budget}" if self.budget is not None else ""
             name += f" (auto budget{cap})" if self.auto else f" ({self.budget} nodes)" if self.budget else ""
             name += " + prompt lookup" * self.lookup + " + datastore" * self.store

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.drafters.interface import Chain, HeadProposal
-from core.drafters.hydra import GrownTree
+from core.drafters.grown import GrownTree
 from core.tree import CandidateTree, RankPath, dynamic_tree
 
 

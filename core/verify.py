@@ -19,8 +19,10 @@ class VerifyOutput:
     and of the last accepted node, so rows are projected on demand and cached.
     """
 
-    def __init__(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+                 tapped: torch.Tensor | None = None) -> None:
         self.hidden = hidden  # [n, H] last (normed) hidden state of every token
+        self.tapped = tapped  # [T, n, H] the residual streams a drafter asked for (None: none asked)
         self._lm_head = lm_head  # hidden rows [r, H] -> logits [r, V]
         self._rows: dict[int, torch.Tensor] = {}
 
@@ -55,16 +57,17 @@ def tree_attention_bias(tree_mask: torch.Tensor, past_len: int, dtype: torch.dty
 
 
 def forward_tokens(base: BaseModel, cache: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   tree_mask: torch.Tensor | None = None) -> VerifyOutput:
+                   tree_mask: torch.Tensor | None = None, taps: tuple[int, ...] = ()) -> VerifyOutput:
     """Run `input_ids` [n] at `position_ids` [n] on top of `cache` (which grows by n).
 
     Among the new tokens, token i sees what row i of `tree_mask` (bool [n, n]) allows, or the
     tokens before it when None (a prefill, a chain, a plain step); every cached token is visible.
-    The lean forward (core.engine) runs where the model allows it, transformers' forward elsewhere.
+    The exact or lean forward (core.engine) runs where the model allows it, transformers' elsewhere.
+    `taps`: layers whose incoming residual stream the output keeps too (`VerifyOutput.tapped`).
     """
     if base.engine is not None:
-        hidden = base.engine.forward(input_ids, position_ids, cache, tree_mask)  # [n, H]
-        return VerifyOutput(hidden, base.engine.project)
+        hidden, tapped = base.engine.forward_tapped(input_ids, position_ids, cache, tree_mask, taps)  # [n, H]
+        return VerifyOutput(hidden, base.engine.project, tapped)
     past_len = int(cache.get_seq_length())
     if tree_mask is not None:
         bias = tree_attention_bias(tree_mask, past_len, base.dtype, base.device)
@@ -78,8 +81,10 @@ def forward_tokens(base: BaseModel, cache: KVCache, input_ids: torch.Tensor, pos
         attention_mask=bias,
         past_key_values=cache,
         use_cache=True,
+        output_hidden_states=bool(taps),
     )
-    return VerifyOutput(out.last_hidden_state[0], base.lm_head)  # hidden [n, H]
+    tapped = torch.stack([out.hidden_states[t][0] for t in taps]) if taps else None  # [T, n, H]
+    return VerifyOutput(out.last_hidden_state[0], base.lm_head, tapped)  # hidden [n, H]
 
 
 def plain_step_bias(base: BaseModel, past_len: int) -> torch.Tensor | None:
@@ -96,9 +101,9 @@ def plain_step_bias(base: BaseModel, past_len: int) -> torch.Tensor | None:
 
 
 def verify_tree(base: BaseModel, cache: KVCache, node_tokens: torch.Tensor, tree_mask: torch.Tensor,
-                depths: torch.Tensor) -> VerifyOutput:
+                depths: torch.Tensor, taps: tuple[int, ...] = ()) -> VerifyOutput:
     """Verify all tree nodes in one forward: positions are context length + depth."""
     past_len = int(cache.get_seq_length())
     if tree_mask.shape[0] == 1:  # the root alone: a plain step
-        return forward_tokens(base, cache, node_tokens, past_len + depths)
-    return forward_tokens(base, cache, node_tokens, past_len + depths, tree_mask)
+        return forward_tokens(base, cache, node_tokens, past_len + depths, taps=taps)
+    return forward_tokens(base, cache, node_tokens, past_len + depths, tree_mask, taps)

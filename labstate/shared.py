@@ -12,9 +12,11 @@ from typing import Callable
 
 import torch
 
-from core.drafters.medusa import MedusaHeads, default_heads
-from core.drafters.hydra import HydraHeads, default_hydra_heads
-from core.strategy import HYDRA
+from torch import nn
+
+from core.drafters.medusa import MedusaHeads
+from core.drafters.hydra import HydraHeads
+from core.families import FAMILIES, HYDRA, MEDUSA, family
 from core.kvcache import truncate
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
 from core.budget.cost_profile import CostProfile, profile_cached, verify_profile
@@ -42,28 +44,42 @@ BYTE_DECODER = _byte_decoder()
 
 @dataclass(frozen=True)
 class Runtime:
-    """The shared, read-only model and heads for one precision."""
+    """The shared, read-only model and every family's drafter weights for one precision."""
 
     base: BaseModel
-    heads: MedusaHeads
+    weights: dict[str, nn.Module | None]  # weights key (core.families) -> the shipped weights (None: not shipped)
     heads_description: str
-    hydra: HydraHeads | None = None  # the shipped Hydra heads (None: not shipped)
+
+    @property
+    def heads(self) -> MedusaHeads:
+        """The Medusa heads (fixed and dynamic trees; always present, untrained when not shipped)."""
+        return self.weights[MEDUSA]
+
+    @property
+    def hydra(self) -> HydraHeads | None:
+        return self.weights.get(family(HYDRA).weights_key)
 
     @property
     def num_heads(self) -> int:
         return self.heads.config.num_heads
 
-    def heads_for(self, strategy: str) -> MedusaHeads | HydraHeads:
-        """The heads a core strategy drafts with; ValueError when Hydra heads are not shipped."""
-        if strategy != HYDRA:
-            return self.heads
-        if self.hydra is None:
-            raise ValueError("Hydra heads are not shipped with this copy of the lab (assets/hydra is missing)")
-        return self.hydra
+    def heads_for(self, strategy: str) -> nn.Module | None:
+        """The weights a core strategy drafts with (None for plain decoding); ValueError when its
+        family's weights are not shipped."""
+        entry = family(strategy)
+        if not entry.drafts:
+            return None
+        weights = self.weights.get(entry.weights_key)
+        if weights is None:
+            raise ValueError(f"{entry.weights_name} are not shipped with this copy of the lab "
+                             f"({entry.weights_folder} is missing)")
+        return weights
 
-    def rival_for(self, strategy: str) -> MedusaHeads | HydraHeads | None:
-        """The other family's heads (Hydra beside Medusa, Medusa beside Hydra); None when not shipped."""
-        return self.heads if strategy == HYDRA else self.hydra
+    def rival_for(self, strategy: str) -> nn.Module | None:
+        """The weights of the family drawn beside `strategy`'s (Hydra beside Medusa, ...); None when
+        it has none or they are not shipped."""
+        rival = family(strategy).rival
+        return self.weights.get(family(rival).weights_key) if rival else None
 
     @functools.cached_property
     def token_bytes(self) -> dict[int, bytes]:
@@ -95,13 +111,10 @@ def runtime(precision: str) -> Runtime:
 def _load_runtime(precision: str) -> Runtime:
     if precision not in _RUNTIMES:  # two first calls queue one after the other: the second finds it loaded
         base = load_base_model(ModelConfig(dtype=precision))
-        config = base.model.config
-        heads, description = default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype,
-                                            device=base.device)
-        hydra = default_hydra_heads(dtype=base.dtype, device=base.device)
-        if hydra is not None:
-            description += f"; Hydra heads from assets/hydra ({hydra.config.num_heads} heads)"
-        _RUNTIMES[precision] = Runtime(base=base, heads=heads, heads_description=description, hydra=hydra)
+        loaded = {entry.weights_key: entry.load_weights(base) for entry in FAMILIES.values() if entry.drafts}
+        weights = {key: found for key, (found, _) in loaded.items()}
+        lines = [line for _, line in loaded.values() if line]
+        _RUNTIMES[precision] = Runtime(base=base, weights=weights, heads_description="; ".join(lines))
     return _RUNTIMES[precision]
 
 

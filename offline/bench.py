@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 import transformers
 from tqdm import tqdm
 
@@ -31,7 +32,8 @@ from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, decode, strategy_config
 from core.exactness import divergence_from_margins, plain_margins
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
-from core.drafters.hydra import HydraHeads, default_hydra_heads, load_hydra_heads
+from core.drafters.hydra import load_hydra_heads
+from core.families import FAMILIES, MEDUSA, family
 from core.strategy import AUTOREGRESSIVE, HF, HYDRA, LOOKUP_TOKENS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name
@@ -113,17 +115,21 @@ def run_hf(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: in
 
 @dataclass(frozen=True)
 class HeadSet:
-    """The drafting heads a benchmark may use: Medusa's, and Hydra's where shipped."""
+    """The drafting weights a benchmark may use: the Medusa heads (fixed and dynamic trees) and any
+    other family's, by family name (`core.families`)."""
 
     medusa: MedusaHeads
-    hydra: HydraHeads | None = None
+    others: dict[str, nn.Module | None] = field(default_factory=dict)  # weights key -> weights (None: missing)
 
-    def for_strategy(self, strategy: DecodeConfig) -> MedusaHeads | HydraHeads | None:
-        if strategy.strategy != HYDRA:
-            return self.medusa
-        if self.hydra is None:
-            raise ValueError("hydra strategies need Hydra heads (assets/hydra or --hydra)")
-        return self.hydra
+    def for_strategy(self, strategy: DecodeConfig) -> nn.Module | None:
+        """The weights `strategy` drafts with; ValueError when its family's are missing."""
+        entry = family(strategy.strategy)
+        if not entry.drafts:
+            return None
+        weights = {MEDUSA: self.medusa, **self.others}.get(entry.weights_key)
+        if weights is None:
+            raise ValueError(f"{entry.name} strategies need {entry.weights_name} ({entry.weights_folder})")
+        return weights
 
 
 def run_one(base: BaseModel, heads: HeadSet, prompt: Prompt, spec: str, strategy: DecodeConfig | str,
@@ -308,9 +314,12 @@ def main() -> None:
     else:
         heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size,
                                             dtype=base.dtype, device=base.device)
-    hydra = (load_hydra_heads(args.hydra, dtype=base.dtype, device=base.device) if args.hydra is not None
-             else default_hydra_heads(dtype=base.dtype, device=base.device))
-    head_set = HeadSet(medusa=heads, hydra=hydra)
+    others = {entry.weights_key: entry.load_weights(base)[0] for entry in FAMILIES.values()
+              if entry.drafts and entry.weights_key != MEDUSA}  # every other family's shipped weights
+    if args.hydra is not None:
+        others[family(HYDRA).weights_key] = load_hydra_heads(args.hydra, dtype=base.dtype, device=base.device)
+    hydra = others.get(family(HYDRA).weights_key)
+    head_set = HeadSet(medusa=heads, others=others)
     sampling = SamplingConfig(temperature=args.temperature)
     rule = "greedy" if sampling.greedy else args.rule
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,

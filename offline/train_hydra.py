@@ -20,7 +20,8 @@ from torch import nn
 from tqdm import tqdm
 
 from core.drafters.medusa import MedusaHeads, default_heads
-from core.drafters.hydra import HYDRA_BEAM, GrownTree, HydraConfig, HydraHeads, grow_tree, load_hydra_heads
+from core.drafters.grown import GrownTree
+from core.drafters.hydra import HYDRA_BEAM, HydraConfig, HydraHeads, grow_tree, load_hydra_heads
 from core.model import BaseModel, fast_bf16_batched
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate

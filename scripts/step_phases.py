@@ -15,8 +15,7 @@ from pathlib import Path
 
 from offline.bench import parse_strategy
 from core.decoder import DecodeConfig, decode
-from core.drafters.hydra import default_hydra_heads
-from core.drafters.medusa import default_heads
+from core.families import family
 from core.model import ModelConfig, load_base_model
 
 PHASES = ("heads", "tree", "verify", "accept", "commit")
@@ -40,10 +39,7 @@ def main() -> None:
     base = load_base_model(ModelConfig(dtype=args.dtype, device="cpu"))
     base_config = DecodeConfig(max_new_tokens=args.tokens, record_texts=False)
     configs = {"ar": parse_strategy("ar", base_config), args.strategy: parse_strategy(args.strategy, base_config)}
-    if configs[args.strategy].strategy == "hydra":  # the family the strategy drafts with
-        heads = default_hydra_heads(dtype=base.dtype)
-    else:
-        heads, _ = default_heads(base.model.config.hidden_size, base.model.config.vocab_size, dtype=base.dtype)
+    heads, _ = family(configs[args.strategy].strategy).load_weights(base)  # what the strategy drafts with
     decode(base, heads, SHORT, DecodeConfig(max_new_tokens=8, record_texts=False))  # warm-up
     for label, prompt in (("short", SHORT), ("long", long_prompt(args.prompts_from))):
         for name, config in configs.items():

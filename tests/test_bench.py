@@ -112,8 +112,8 @@ def test_hydra_specs_parse_and_pick_hydra_heads():
     assert parse_strategy("hydra:40", DecodeConfig()).budget == 40
     base = tiny_base("llama")
     medusa, hydra = tiny_heads(base), tiny_hydra(base)
-    assert HeadSet(medusa, hydra).for_strategy(config) is hydra
-    assert HeadSet(medusa, hydra).for_strategy(parse_strategy("dynamic:auto", DecodeConfig())) is medusa
+    assert HeadSet(medusa, {"hydra": hydra}).for_strategy(config) is hydra
+    assert HeadSet(medusa, {"hydra": hydra}).for_strategy(parse_strategy("dynamic:auto", DecodeConfig())) is medusa
     with pytest.raises(ValueError, match="Hydra heads"):
         HeadSet(medusa).for_strategy(config)
 

@@ -81,10 +81,16 @@ def test_registry_expires_idle_sessions_evicts_the_least_recent_and_says_so():
 
 
 # -- a run's lifecycle on a tiny model ----------------------------------------------------------------------
+def medusa_runtime(base) -> Runtime:
+    """A runtime whose only drafter weights are tiny Medusa heads (fixed and dynamic trees)."""
+    heads = tiny_heads(base)
+    return Runtime(base=base, weights={"medusa": heads}, heads_description="tiny heads")
+
+
 @pytest.fixture()
 def tiny_runtime(monkeypatch):
     base = tiny_base("llama", max_positions=2048)  # the lab keeps room for 1024 new tokens and a 256-node tree
-    rt = Runtime(base=base, heads=tiny_heads(base), heads_description="tiny heads")
+    rt = medusa_runtime(base)
     monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
     monkeypatch.setitem(labstate._PROFILES, base.config.dtype,
                         CostProfile(sizes=[1, 16, 64], ms=[10.0, 12.0, 30.0], device="cpu", model="tiny"))
@@ -95,7 +101,7 @@ def tiny_runtime(monkeypatch):
 def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypatch, cached_on_disk, said):
     import labstate.shared as shared
     base = tiny_base("llama")
-    rt = Runtime(base=base, heads=tiny_heads(base), heads_description="tiny heads")
+    rt = medusa_runtime(base)
     monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)  # the model is loaded: nothing to say about loading
     monkeypatch.setattr(shared, "_PROFILES", {})
     monkeypatch.setattr(shared, "profile_cached", lambda base: cached_on_disk)

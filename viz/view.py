@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
+from core.families import FAMILIES
+from core.strategy import LOOKUP
 from viz.facts import RunFacts, RunStats, loops, summary, token_sources
 from viz.mask_plot import mask_figure
 from viz.text_html import emitted_tokens, heads_html, sources_note, stats_html, text_html
@@ -109,24 +110,28 @@ def tree_title(facts: RunFacts, record: StepRecord) -> str:
     family = facts.spec.family
     if record.strategy == LOOKUP:
         main = f"Heads skipped (auto is backing off): the prompt-lookup chain alone, {nodes} nodes"
-    elif family == DYNAMIC and facts.spec.auto:
-        main = f"Dynamic tree, auto budget: {nodes} of ≤ {budget} nodes (top-{top_m}, depth {depth}){chain}"
-    elif family == DYNAMIC:
-        main = f"Dynamic tree (budget {budget}, top-{top_m}, depth {depth}){chain}"
-    elif family == HYDRA:
-        sizing = f"auto budget: {nodes} of ≤ {budget} nodes" if facts.spec.auto else f"{nodes} nodes"
-        main = f"Hydra tree grown node by node, {sizing} (depth {depth}){chain}"
-    elif family == FIXED:
-        main = f"Fixed tree {settings.get('fixed_preset')} ({nodes} nodes)"
     else:
-        main = "Autoregressive: the root only"
+        entry = FAMILIES[family]
+        if entry.grows_tree:
+            sizing = f"auto budget: {nodes} of ≤ {budget} nodes" if facts.spec.auto else f"{nodes} nodes"
+            main = f"{entry.tree_phrase}, {sizing} (depth {depth}){chain}"
+        elif entry.sized and facts.spec.auto:
+            main = f"{entry.tree_phrase}, auto budget: {nodes} of ≤ {budget} nodes (top-{top_m}, depth {depth}){chain}"
+        elif entry.sized:
+            main = f"{entry.tree_phrase} (budget {budget}, top-{top_m}, depth {depth}){chain}"
+        elif entry.drafts:
+            main = f"{entry.tree_phrase} {settings.get('fixed_preset')} ({nodes} nodes)"
+        else:
+            main = entry.tree_phrase
     return f"Step {record.index + 1}: {main}"
 
 
 def _depth_note(facts: RunFacts, record: StepRecord) -> str:
     """Why a dynamic tree is shallower than the depth setting allows."""
     tree, depth = record.outcome.tree, int(facts.settings.get("depth", 0))
-    if record.strategy != DYNAMIC or tree.num_nodes == 0 or tree.max_depth >= depth:
+    entry = FAMILIES.get(record.strategy)  # a step kind may be no family (a lookup-only step)
+    ranked_tree = entry is not None and entry.sized and not entry.grows_tree  # sized by the heads' ranks
+    if not ranked_tree or tree.num_nodes == 0 or tree.max_depth >= depth:
         return ""
     return f"deepest node at depth {tree.max_depth} of {depth} allowed: no deeper path scored high enough to make the budget"
 
@@ -148,12 +153,12 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
         why = (f"No fixed-tree comparison at step {record.index + 1}: the auto budget skipped the heads this step "
                f"(they had not paid lately) and verified only the prompt-lookup chain, so there were no head "
                f"guesses for a fixed tree to use.")
-    elif family == FIXED:
+    elif FAMILIES[family].drafts and not FAMILIES[family].sized:  # the fixed tree
         why = "The tree above is the fixed tree itself."
-    elif family == HYDRA:
-        why = ("A fixed tree is a set of rank paths over the Medusa heads' guesses; the Hydra tree is grown from "
-               "its own path-conditioned guesses, so there is no fixed tree to draw beside it.")
-    elif family == AUTOREGRESSIVE:
+    elif FAMILIES[family].grows_tree:
+        why = (f"A fixed tree is a set of rank paths over the Medusa heads' guesses; the {FAMILIES[family].label} is "
+               f"grown from its own path-conditioned guesses, so there is no fixed tree to draw beside it.")
+    elif not FAMILIES[family].drafts:
         why = "Autoregressive decoding builds no tree, so there is nothing to compare."
     elif not facts.settings.get("compare_fixed"):
         why = "The comparison is off: tick “Compare with the fixed tree” and press Start."
@@ -174,7 +179,7 @@ def _notice(facts: RunFacts, index: int | None) -> str:
 
 def _stats(facts: RunFacts) -> str:
     """The cards, with who produced the tokens so far (and a word when the text loops)."""
-    sizes = None if facts.spec.family == AUTOREGRESSIVE else [r.outcome.tree.num_nodes for r in facts.records]
+    sizes = None if not FAMILIES[facts.spec.family].drafts else [r.outcome.tree.num_nodes for r in facts.records]
     looping = loops(facts.output_ids)
     return stats_html(facts.stats, sources_note(token_sources(facts.records), looping), sizes,
                       looping=looping)
@@ -188,7 +193,8 @@ def _rival(facts: RunFacts, record: StepRecord) -> Any:
         why = (f"No other heads' tree at step {record.index + 1} (no heads step, or the other heads are not "
                f"shipped)." if wanted else "")
         return empty_figure(why, height=80) if why else None  # None: the page shows no box
-    other = "Hydra heads (each guess reads its path)" if rival.grown else "Medusa heads (one guess per depth)"
+    entry = FAMILIES[rival.tree.kind]
+    other = f"{entry.weights_name} ({entry.guesses})"
     mine, theirs = record.outcome.accepted_length - 1, rival.accepted_length - 1
     title = (f"Step {record.index + 1}, same context: the {other} tree of {rival.tree.num_nodes} nodes would "
              f"accept {theirs} token(s); this run's tree accepted {mine}")

@@ -44,8 +44,9 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
-from core.model import REPO_ROOT
-from core.tree import CandidateTree, RankPath
+from core.model import REPO_ROOT, BaseModel
+from core.drafters.grown import GrownNode, GrownTree, best_first
+
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
 HYDRA_BEAM = 8  # nodes expanded per depth (DecodeConfig.hydra_beam's default)
@@ -167,6 +168,8 @@ class PrefixLayer(nn.Module):
 class HydraHeads(nn.Module):
     """K Hydra heads; head k (1-based) reads k path tokens. Projection: the frozen lm_head."""
 
+    family = "hydra"  # the family these weights draft for (core.families)
+
     def __init__(self, config: HydraConfig) -> None:
         super().__init__()
         self.config = config
@@ -236,27 +239,6 @@ def default_hydra_heads(*, dtype: torch.dtype = torch.float32, device: torch.dev
     return load_hydra_heads(DEFAULT_HYDRA_DIR, dtype=dtype, device=device)
 
 
-@dataclass(frozen=True)
-class GrownTree:
-    """A tree a path-aware drafter grew node by node, in best-first order.
-
-    `token_table[d-1, c]` is the token of the node at depth d whose path ends in column c;
-    `probs`/`token_ids` are the heads' conditional top-m along the greedy path (row d: what
-    head d guessed after the top guesses of the rows above; for the heads table)."""
-
-    tree: CandidateTree  # scores: joint probability (product of conditionals along the path)
-    token_table: torch.Tensor  # [D, columns] long
-    probs: torch.Tensor  # [D, m]
-    token_ids: torch.Tensor  # [D, m]
-
-
-@dataclass
-class _Node:
-    path: tuple[int, ...]  # creation columns, root excluded
-    tokens: tuple[int, ...]  # tokens from depth 1 down to this node
-    score: float
-
-
 def _children(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjection, hidden: torch.Tensor,
               paths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Head `paths.shape[1]`'s top-`width` (probabilities, ids) after each path [B, d] (root first)."""
@@ -276,8 +258,8 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
     of each deeper node."""
     depth = min(depth, heads.config.num_heads)
     device = hidden.device
-    grown: list[_Node] = []
-    greedy = _Node(path=(), tokens=(), score=1.0)  # the chain of each depth's top guess (heads table)
+    grown: list[GrownNode] = []
+    greedy = GrownNode(path=(), tokens=(), score=1.0)  # the chain of each depth's top guess (heads table)
     frontier = [greedy]
     greedy_probs, greedy_ids = [], []
     for level in range(1, depth + 1):
@@ -294,7 +276,7 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         for parent, row_probs, row_ids in zip(frontier, probs.tolist(), ids.tolist()):
             first_child = len(level_nodes)
             for p, token in zip(row_probs, row_ids):
-                level_nodes.append(_Node(path=parent.path + (len(level_nodes),), tokens=parent.tokens + (token,),
+                level_nodes.append(GrownNode(path=parent.path + (len(level_nodes),), tokens=parent.tokens + (token,),
                                          score=parent.score * p))
             if parent is greedy:
                 next_greedy = level_nodes[first_child]
@@ -306,26 +288,11 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         if greedy not in frontier:
             frontier.append(greedy)
     shown = min(len(row) for row in greedy_ids)  # the root has more children than deeper nodes
-    return _best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
-                       torch.stack([r[:shown] for r in greedy_ids]))
+    return best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
+                      torch.stack([r[:shown] for r in greedy_ids]), kind="hydra")
 
 
-def _best_first(grown: list[_Node], budget: int, greedy_probs: torch.Tensor, greedy_ids: torch.Tensor) -> GrownTree:
-    """The `budget` best grown nodes (parents first on ties), columns renumbered per depth."""
-    kept = sorted(grown, key=lambda n: (-n.score, len(n.path)))[:budget]
-    columns: dict[tuple[int, ...], RankPath] = {(): ()}
-    used_per_depth: dict[int, int] = {}
-    rows: dict[int, list[int]] = {}
-    # parents before children: renumber in order of depth, then score, so columns read best first
-    for node in sorted(kept, key=lambda n: (len(n.path), -n.score)):
-        depth = len(node.path)
-        column = used_per_depth.get(depth, 0)
-        used_per_depth[depth] = column + 1
-        columns[node.path] = columns[node.path[:-1]] + (column,)
-        rows.setdefault(depth, []).append(node.tokens[-1])
-    depth_count = max(rows, default=0)
-    table = torch.zeros(depth_count, max((len(r) for r in rows.values()), default=0), dtype=torch.long)  # [D, cols]
-    for depth, tokens in rows.items():
-        table[depth - 1, : len(tokens)] = torch.tensor(tokens)
-    tree = CandidateTree(paths=[columns[n.path] for n in kept], scores=[n.score for n in kept], kind="hydra")
-    return GrownTree(tree=tree, token_table=table, probs=greedy_probs, token_ids=greedy_ids)
+def shipped_hydra_heads(base: BaseModel) -> tuple[HydraHeads | None, str]:
+    """The shipped Hydra heads in `base`'s dtype and device, with a line for the header: the family table's loader."""
+    heads = default_hydra_heads(dtype=base.dtype, device=base.device)
+    return heads, (f"Hydra heads from assets/hydra ({heads.config.num_heads} heads)" if heads is not None else "")

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import DraftProjection, MedusaHeads
-from core.drafters.hydra import GrownTree, HydraHeads, PrefixCache, grow_tree
+from core.drafters.grown import GrownTree
+from core.drafters.hydra import HydraHeads, PrefixCache, grow_tree
 from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
 from core.model import BaseModel, fast_bf16_batched
 from core.strategy import MAX_CHAIN_TOKENS
@@ -79,6 +80,9 @@ class DraftContext:
     history: Sequence[torch.Tensor] = ()
     # the most nodes this step's tree can keep (the adaptive budget's `draft_limit`); None: no limit
     max_nodes: int | None = None
+    # per chunk of `history`, the same rows' tapped states and last hidden state, [k, (taps + 1) * H]
+    # (low | mid | high): read by a drafter with `taps` (the EAGLE layer)
+    features: Sequence[torch.Tensor] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,19 @@ class HeadsDrafter:
         self.width = width
         self.depth = depth
 
+    @classmethod
+    def for_session(cls, heads: object, base: BaseModel, config) -> "HeadsDrafter":
+        """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`)."""
+        if not isinstance(heads, MedusaHeads):
+            raise ValueError(f"strategy {config.strategy!r} needs Medusa heads")
+        if config.depth > heads.config.num_heads:
+            raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+        fixed = config.resolve_fixed_tree() if config.strategy == "fixed" or config.compare_fixed else None
+        width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
+        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
+        depth = max(config.depth, fixed.max_depth if fixed else 0)
+        return cls(heads, base, width=width, depth=depth)
+
     def propose(self, context: DraftContext) -> HeadProposal:
         hidden = context.hidden.to(self.dtype)  # [H]
         probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
@@ -150,6 +167,15 @@ class HydraDrafter:
         self.prefix_cache: PrefixCache | None = None
         self.seen = 0
         self.last_state: torch.Tensor | None = None
+
+    @classmethod
+    def for_session(cls, heads: object, base: BaseModel, config) -> "HydraDrafter":
+        """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`)."""
+        if not isinstance(heads, HydraHeads):
+            raise ValueError(f"strategy {config.strategy!r} needs Hydra heads")
+        if config.depth > heads.config.num_heads:
+            raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+        return cls(heads, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)
 
     @property
     def reads_history(self) -> bool:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from core.engine import Matmul, fastest, median_ms, time_kernels
-from core.model import REPO_ROOT, linear_rows
+from core.model import REPO_ROOT, BaseModel, linear_rows
 from core.strategy import MAX_TOP_M
 
 DEFAULT_HEADS_DIR = REPO_ROOT / "assets" / "heads"
@@ -216,6 +216,8 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K Medusa heads. `forward(hidden, lm_head)` gives logits [K, ..., vocab]."""
 
+    family = "dynamic"  # the family these weights draft for (core.families)
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
@@ -342,3 +344,9 @@ def default_heads(hidden_size: int, vocab_size: int, *, dtype: torch.dtype = tor
     heads = MedusaHeads(HeadsConfig(hidden_size=hidden_size, vocab_size=vocab_size))
     heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return heads, "UNTRAINED identity heads (assets/heads is missing): expect ~1 token per step"
+
+
+def shipped_heads(base: BaseModel) -> tuple[MedusaHeads, str]:
+    """`default_heads` for `base` (its sizes, dtype and device): the family table's loader."""
+    config = base.model.config
+    return default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)

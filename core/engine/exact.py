@@ -178,7 +178,6 @@ class ExactLlama:
         return StaticCache(len(lean.layers), lean.kv_heads, lean.head_dim, dtype=torch.float32, device=self.device,
                            limit=self.max_positions + TREE_ROWS_MARGIN, capacity=capacity)
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
                 tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
@@ -186,15 +185,25 @@ class ExactLlama:
         fp32, returned in the model's precision (what its heads read; a plain step rounds alike)."""
         if not isinstance(cache, StaticCache):  # a slot of batched generation: the lean forward's
             return self.lean.forward(input_ids, position_ids, cache, tree_mask)
+        return self.forward_tapped(input_ids, position_ids, cache, tree_mask)[0]
+
+    @torch.inference_mode()
+    def forward_tapped(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
+                       tree_mask: torch.Tensor | None = None, taps: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the residual stream entering each layer of `taps` ([T, n, H], None when
+        no taps): the features an EAGLE-style drafter reads. Copying them changes no number."""
         if cache.keys.dtype != torch.float32:
             raise TypeError("the exact forward writes an fp32 StaticCache (ExactLlama.new_cache)")
         n = int(input_ids.shape[0])
         past = cache.get_seq_length()
         cache.reserve(n)
         mask = torch.empty(0, dtype=torch.bool) if tree_mask is None else tree_mask.to(torch.bool).cpu()
-        hidden = self.model.forward(input_ids.cpu(), position_ids.cpu(), cache.keys, cache.values, past, mask)
+        tapped = torch.empty(len(taps), n, self.hidden_size) if taps else torch.empty(0)  # [T, n, H]
+        hidden = self.model.forward(input_ids.cpu(), position_ids.cpu(), cache.keys, cache.values, past, mask,
+                                    list(taps), tapped)
         cache.advance(n)
-        return hidden.to(self.dtype)  # [n, H]
+        return hidden.to(self.dtype), (tapped.to(self.dtype) if taps else None)  # [n, H], [T, n, H]
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -372,14 +372,23 @@ class LeanLlama:
         """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of a one-sequence cache,
         which then holds them too. Attention: every cached position, and among the new tokens
         `tree_mask` (bool [n, n], row i true on what token i sees) or causal order when None."""
+        return self.forward_tapped(input_ids, position_ids, cache, tree_mask)[0]
+
+    @torch.inference_mode()
+    def forward_tapped(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache | SlotView,
+                       tree_mask: torch.Tensor | None = None, taps: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the residual stream entering each layer of `taps` ([T, n, H], None when none)."""
         n = int(input_ids.shape[0])
         past = cache.get_seq_length()
         if isinstance(cache, StaticCache):
             cache.reserve(n)
         mask = self.attention_mask(n, past, tree_mask)
-        hidden = self._layers(input_ids[None].to(self.device), position_ids[None].to(self.device), cache, mask)
+        tapped: dict[int, torch.Tensor] = {}
+        hidden = self._layers(input_ids[None].to(self.device), position_ids[None].to(self.device), cache, mask,
+                              taps, tapped)
         cache.advance(n)
-        return hidden[0]  # [n, H]
+        return hidden[0], (torch.stack([tapped[t][0] for t in taps]) if taps else None)  # [n, H], [T, n, H]
 
     def attention_mask(self, n: int, past: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
         """What n new tokens after `past` cached ones see, as `_layers` takes it: every cached position,
@@ -407,11 +416,15 @@ class LeanLlama:
         """Logits of hidden [..., H]: [..., V] in the model's precision."""
         return self.lm_head(hidden)
 
-    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor | None) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor | None,
+                taps: tuple[int, ...] = (), tapped: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Final normed hidden [B, n, H]; `tapped[i]`: the residual entering layer i, for each i in `taps`."""
         x = F.embedding(ids, self.embed)  # [B, n, H]
         cos = self.cos[positions][:, :, None]  # [B, n, 1, d]
         sin = self.sin[positions][:, :, None]
         for index, layer in enumerate(self.layers):
+            if index in taps:
+                tapped[index] = x
             x = x + self._attention(index, layer, self._norm(x, layer.attn_norm),
                                     cos, sin, kv, mask)
             h = self._norm(x, layer.mlp_norm)

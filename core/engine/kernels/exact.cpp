@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -485,8 +486,10 @@ class Model {
   // hidden [n, H] (after the final norm) of ids [n] at positions [n], on top of `past` cached rows
   // of keys/values [layers, 1, kv_heads, capacity, d] (fp32), which receive the new rows at
   // past..past+n-1. tree_mask: bool [n, n] (row i true on what token i sees) or empty (causal).
+  // tapped [T, n, H] fp32 receives the residual stream entering layer taps[t] (a drafter's
+  // features; empty: none).
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor keys, torch::Tensor values,
-                        int64_t past, torch::Tensor tree_mask) const {
+                        int64_t past, torch::Tensor tree_mask, std::vector<int64_t> taps, torch::Tensor tapped) const {
     const int64_t n = ids.size(0), h = cfg.hidden, d = cfg.head_dim;
     TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous(),
                 "the cache must be contiguous fp32");
@@ -509,7 +512,13 @@ class Model {
     float* xp = x.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) embed.row_into(id[i], xp + i * h);
     const int64_t capacity = keys.size(3), layer_stride = keys.stride(0);
+    TORCH_CHECK(taps.empty() || (tapped.scalar_type() == torch::kFloat32 && tapped.is_contiguous() &&
+                                 tapped.size(0) == static_cast<int64_t>(taps.size()) && tapped.size(1) == n &&
+                                 tapped.size(2) == h), "tapped must be contiguous fp32 [taps, n, H]");
     for (size_t l = 0; l < layers.size(); ++l) {
+      for (size_t t = 0; t < taps.size(); ++t) {
+        if (taps[t] == static_cast<int64_t>(l)) std::copy(xp, xp + n * h, tapped.data_ptr<float>() + t * n * h);
+      }
       const Layer& layer = layers[l];
       float* layer_keys = keys.data_ptr<float>() + l * layer_stride;
       float* layer_values = values.data_ptr<float>() + l * layer_stride;

@@ -1,0 +1,412 @@
+"""An EAGLE-style drafter: one decoder layer that drafts at the feature level (after Li et al.,
+EAGLE 2024, EAGLE-2 2024 and EAGLE-3 2025).
+
+Where Medusa's and Hydra's heads read the last hidden state, the draft layer reads a fusion of
+three of the base model's states at every position of the answer so far: the residual stream
+entering layer 2 (low), entering the middle layer (mid), and the final normed hidden state (high):
+
+    g_t   = Fuse([norm(low_t); norm(mid_t); norm(high_t)])          the base model's view of t
+    x_t   = In([g_t; e(x_{t+1})])                                     with the token that followed
+    s_t   = DecoderLayer(x_t | keys and values of the positions before t)   causal, RoPE
+    logits of token t+2 = lm_head_draft(norm(s_t))                    the base's frozen lm_head rows
+
+and drafts beyond the first token by feeding its own output state back in place of the
+features the base model has not computed yet: depth d+1 reads (s of its parent, e(its own
+token)) at position t+d and attends to the answer's cached keys plus its ancestors' draft keys.
+It predicts tokens directly (EAGLE-3 dropped EAGLE-1's feature regression), and it is trained
+with "training-time test": fed its own states for several steps (`offline.train_eagle`), so
+drafting for itself is what it learned.
+
+The tree is grown as EAGLE-2 grows it: depth by depth, the `beam` best nodes by joint draft
+probability expanded by one batched layer call, then the `budget` best nodes of everything grown
+(`core.drafters.grown`). The layer's keys and values over the accepted positions are kept per
+session (`EagleCache`, a new one per extension: a fork shares the old); a rejected draft node
+never enters it, so nothing is rolled back.
+
+On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle") and
+`layer.safetensors` (the module's state dict, `draft_vocab` among it).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import safetensors.torch
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from core.drafters.grown import GrownNode, GrownTree, best_first
+from core.drafters.medusa import DraftProjection, draft_rows, ranked
+from core.model import REPO_ROOT
+
+if TYPE_CHECKING:
+    from core.drafters.interface import DraftContext
+    from core.model import BaseModel
+
+DEFAULT_EAGLE_DIR = REPO_ROOT / "assets" / "eagle"
+EAGLE_BEAM = 8  # nodes expanded per depth
+EAGLE_DEPTH = 6  # the deepest draft
+
+
+def eagle_taps(num_layers: int) -> tuple[int, int]:
+    """The residual streams the draft layer reads besides the final hidden state: those entering
+    layer 2 (low) and the middle layer (mid), as EAGLE-3 picks them."""
+    return 2, num_layers // 2
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Shape of a draft layer (a decoder layer shaped like the base model's)."""
+
+    hidden_size: int = 576
+    num_heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    intermediate: int = 1536
+    vocab_size: int = 49152
+    draft_vocab_size: int = 8192
+    taps: tuple[int, ...] = (2, 15)
+    rope_theta: float = 100000.0
+    eps: float = 1e-5
+    base_model: str = "SmolLM2-135M-Instruct"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "taps", tuple(self.taps))
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads do not share {self.kv_heads} key/value heads evenly")
+
+
+@dataclass(frozen=True)
+class EagleCache:
+    """The draft layer's keys and values over the accepted positions ([kv_heads, n, d] each)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+class EagleLayer(nn.Module):
+    """The draft layer (module docstring). Decoding: `extend` then `draft`; training: `ttt_states`."""
+
+    family = "eagle"  # the family these weights draft for (core.families)
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, d = config.hidden_size, config.head_dim
+        self.feature_norms = nn.ModuleList(_RMSNorm(h, config.eps) for _ in range(3))
+        self.fuse = nn.Linear(3 * h, h, bias=False)
+        self.inp = nn.Linear(2 * h, h, bias=False)
+        self.attn_norm, self.mlp_norm, self.out_norm = (_RMSNorm(h, config.eps) for _ in range(3))
+        self.q = nn.Linear(h, config.num_heads * d, bias=False)
+        self.kv = nn.Linear(h, 2 * config.kv_heads * d, bias=False)
+        self.o = nn.Linear(config.num_heads * d, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * config.intermediate, bias=False)
+        self.down = nn.Linear(config.intermediate, h, bias=False)
+        self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., 3H] (low | mid | high) -> g [..., H]."""
+        parts = features.chunk(3, dim=-1)
+        return self.fuse(torch.cat([norm(p) for norm, p in zip(self.feature_norms, parts)], dim=-1))
+
+    def inputs(self, states: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """What the layer reads at a position: a state (g, or a parent's output) and the token after it."""
+        return self.inp(torch.cat([states, token_embeds.to(states.dtype)], dim=-1))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, n, d] rotated at positions [..., n] (the two-halves convention)."""
+        angles = positions[..., None].float() * self.inv_freq  # [..., n, d/2]
+        cos, sin = (torch.cat([f, f], dim=-1)[..., None, :, :].to(x.dtype) for f in (angles.cos(), angles.sin()))
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., n, H] -> q [..., heads, n, d], k and v [..., kv_heads, n, d] (q, k rotated)."""
+        c = self.config
+        h = self.attn_norm(x)
+        q = self.q(h).unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
+        k, v = (part.unflatten(-1, (c.kv_heads, c.head_dim)).transpose(-3, -2)
+                for part in self.kv(h).chunk(2, dim=-1))
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """x [..., n, H] plus the attention output [..., heads, n, d], then the MLP."""
+        x = x + self.o(attended.transpose(-3, -2).flatten(-2))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def draft_states(self, states: torch.Tensor) -> torch.Tensor:
+        """What the draft projection reads: the normed output state."""
+        return self.out_norm(states)
+
+    def _grouped(self, kv: torch.Tensor) -> torch.Tensor:
+        """[..., kv_heads, n, d] -> [..., heads, n, d] (each key/value head serves its group)."""
+        return kv.repeat_interleave(self.config.num_heads // self.config.kv_heads, dim=-3)
+
+    # -- decoding -----------------------------------------------------------------------------------
+    def extend(self, cache: EagleCache | None, features: torch.Tensor, next_embeds: torch.Tensor
+               ) -> tuple[torch.Tensor, EagleCache]:
+        """Accepted positions (features [n, 3H], embeddings of the tokens after them [n, H]) after
+        `cache` -> (their output states [n, H], the longer cache)."""
+        start = cache.length if cache is not None else 0
+        x = self.inputs(self.fused(features), next_embeds)  # [n, H]
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        q, k, v = self._qkv(x, positions)
+        if cache is not None:
+            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [kvh, total, d]
+        new, total = x.shape[0], k.shape[1]
+        allowed = torch.ones(new, total, dtype=torch.bool, device=x.device).tril(total - new)  # [n, total]
+        attended = F.scaled_dot_product_attention(q, self._grouped(k), self._grouped(v), attn_mask=allowed)
+        return self._finish(x, attended), EagleCache(keys=k, values=v)
+
+    def draft(self, cache: EagleCache, parent_states: torch.Tensor, token_embeds: torch.Tensor,
+              depth: int, draft_keys: tuple[torch.Tensor, torch.Tensor] | None, ancestors: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One depth of draft nodes: parent states [B, H], their tokens' embeddings [B, H], at
+        position cache.length - 1 + depth; each sees the cache, the draft keys (k, v [kvh, M, d])
+        `ancestors` [B, M] marks, and itself. Returns (states [B, H], keys, values [kvh, B, d])."""
+        x = self.inputs(parent_states, token_embeds)  # [B, H]
+        positions = torch.full((x.shape[0],), cache.length - 1 + depth, device=x.device)
+        q, k, v = self._qkv(x, positions)  # [h, B, d], [kvh, B, d]
+        keys = [cache.keys] + ([draft_keys[0]] if draft_keys is not None else [])
+        values = [cache.values] + ([draft_keys[1]] if draft_keys is not None else [])
+        batch = x.shape[0]
+        # each row: every cached position, its marked ancestors, then itself (its own key only)
+        visible = torch.cat([torch.ones(batch, cache.length, dtype=torch.bool, device=x.device), ancestors,
+                             torch.eye(batch, dtype=torch.bool, device=x.device)], dim=1)  # [B, total]
+        all_k = torch.cat(keys + [k], dim=1)  # [kvh, total, d]
+        all_v = torch.cat(values + [v], dim=1)
+        attended = F.scaled_dot_product_attention(q, self._grouped(all_k), self._grouped(all_v), attn_mask=visible)
+        return self._finish(x, attended), k, v
+
+    # -- training -------------------------------------------------------------------------------------
+    def ttt_states(self, features: torch.Tensor, lengths: torch.Tensor, steps: int,
+                   read_tokens: Callable[[int, torch.Tensor | None], torch.Tensor]) -> list[torch.Tensor]:
+        """Training-time test over answers: features [B, T, 3H] (row t: the base model's states that
+        predicted answer[t]), lengths [B]. Step 1 reads the features at t with the embedding of answer[t]
+        and predicts answer[t+1]; step j reads step j-1's output at t with the embedding
+        `read_tokens(j, that output)` [B, T, H] gives (answer[t+j-1] given the path, or step j-1's
+        own guess), at position t+j-1, and sees step 1's keys up to t plus its own chain's keys of
+        steps 2..j: what drafting depth j sees. Returns each step's output states [B, T, H]."""
+        batch, length, _ = features.shape
+        positions = torch.arange(length, device=features.device).expand(batch, length)  # [B, T]
+        keys_ok = positions < lengths[:, None]  # [B, T]
+        causal = torch.ones(length, length, dtype=torch.bool, device=features.device).tril()  # [T, T]
+        allowed = causal & keys_ok[:, None, None, :]  # [B, 1, T, T]
+        states = self.fused(features)  # [B, T, H]
+        outputs, chain_k, chain_v = [], [], []
+        base_k = base_v = None
+        for step in range(1, steps + 1):
+            x = self.inputs(states, read_tokens(step, outputs[-1] if outputs else None))  # [B, T, H]
+            q, k, v = self._qkv(x, positions + step - 1)  # [B, h, T, d], [B, kvh, T, d]
+            if step == 1:
+                base_k, base_v = self._grouped(k), self._grouped(v)
+                attended = F.scaled_dot_product_attention(q, base_k, base_v, attn_mask=allowed)
+            else:
+                chain_k.append(self._grouped(k))
+                chain_v.append(self._grouped(v))
+                attended = _chain_attention(q, base_k, base_v, chain_k, chain_v, allowed)
+            states = self._finish(x, attended)
+            outputs.append(states)
+        return outputs
+
+    # -- files ------------------------------------------------------------------------------------------
+    def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
+        """The lm_head rows the layer ranks."""
+        return draft_rows(lm_head, self.draft_vocab, ())
+
+    def save(self, folder: Path) -> None:
+        """`layer.safetensors` + `config.json`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in self.state_dict().items()},
+                                    folder / "layer.safetensors")
+        (folder / "config.json").write_text(json.dumps({"family": "eagle", **asdict(self.config)}, indent=2) + "\n")
+
+
+def _chain_attention(q: torch.Tensor, base_k: torch.Tensor, base_v: torch.Tensor, chain_k: list[torch.Tensor],
+                     chain_v: list[torch.Tensor], allowed: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, h, T, d] over step 1's keys (causal, `allowed` [B, 1, T, T]) and, at each
+    row, the same row's keys of the chain's later steps (each [B, h, T, d])."""
+    scale = q.shape[-1] ** -0.5
+    scores = (q @ base_k.transpose(-1, -2)) * scale  # [B, h, T, T]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diagonal = torch.stack([(q * k).sum(-1) * scale for k in chain_k], dim=-1)  # [B, h, T, j-1]
+    weights = torch.softmax(torch.cat([scores, diagonal], dim=-1), dim=-1)
+    length = base_k.shape[-2]
+    out = weights[..., :length] @ base_v  # [B, h, T, d]
+    for i, v in enumerate(chain_v):
+        out = out + weights[..., length + i, None] * v
+    return out
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
+
+
+def init_from_base(layer: EagleLayer, base_model: nn.Module) -> None:
+    """Start the decoder part from the base model's last layer (its query, key, value and MLP input
+    maps) and the output norm from the base's final norm; the fusion starts by passing the high
+    feature alone, the input map the state alone (the token's part at zero) and the layer's output
+    maps at zero, so a fresh layer predicts what the base model did at t: a sane first loss."""
+    last = base_model.model.layers[-1]
+    attn, mlp = last.self_attn, last.mlp
+    size = layer.config.hidden_size
+    with torch.no_grad():
+        layer.fuse.weight.zero_()
+        layer.fuse.weight[:, 2 * size:].copy_(torch.eye(size))
+        layer.inp.weight.zero_()
+        layer.inp.weight[:, :size].copy_(torch.eye(size))
+        layer.q.weight.copy_(attn.q_proj.weight)
+        layer.kv.weight.copy_(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))
+        layer.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        # the outputs of attention and MLP start at zero: a fresh layer passes its input through
+        # (the base's last layer adds ~20x the input's RMS to a normed state: noise at step one)
+        layer.o.weight.zero_()
+        layer.down.weight.zero_()
+        layer.attn_norm.weight.copy_(last.input_layernorm.weight)
+        layer.mlp_norm.weight.copy_(last.post_attention_layernorm.weight)
+        layer.out_norm.weight.copy_(base_model.model.norm.weight)
+
+
+def load_eagle(folder: Path = DEFAULT_EAGLE_DIR, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> EagleLayer:
+    """A draft layer saved by `EagleLayer.save`."""
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.pop("family", None) != "eagle":
+        raise ValueError(f"{folder} does not hold an EAGLE draft layer (its config.json says no \"family\": \"eagle\")")
+    layer = EagleLayer(EagleConfig(**raw))
+    layer.load_state_dict(safetensors.torch.load_file(folder / "layer.safetensors"))
+    return layer.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def default_eagle(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> EagleLayer | None:
+    """The shipped draft layer, or None when none is shipped."""
+    if not (DEFAULT_EAGLE_DIR / "layer.safetensors").exists():
+        return None
+    return load_eagle(DEFAULT_EAGLE_DIR, dtype=dtype, device=device)
+
+
+def shipped_eagle(base: BaseModel) -> tuple[EagleLayer | None, str]:
+    """The shipped draft layer in `base`'s dtype and device, with a line for the header: the family table's loader."""
+    layer = default_eagle(dtype=base.dtype, device=base.device)
+    return layer, ("an EAGLE draft layer from assets/eagle" if layer is not None else "")
+
+
+@torch.inference_mode()
+def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: EagleCache,
+                    root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
+    """EAGLE-2's tree: the root's children from `root_state` [H] (the layer's output at the last
+    accepted position, which read the root token), then depth by depth the `beam` best nodes by
+    joint probability expanded by one batched `draft` call; the `budget` best nodes of all."""
+    dtype = root_state.dtype
+    probs, ids = ranked(projection.rows_logits(layer.draft_states(root_state[None]), projection.weight.shape[0]),
+                        width, projection)  # [1, width]
+    level = [GrownNode(path=(c,), tokens=(t,), score=p) for c, (p, t) in enumerate(zip(probs[0].tolist(), ids[0].tolist()))]
+    grown = list(level)
+    parent_state = {(): root_state}
+    greedy_probs, greedy_ids = [probs[0]], [ids[0]]
+    draft_k = draft_v = None
+    index_of: dict[tuple[int, ...], int] = {}  # a node's row among the draft keys
+    for level_depth in range(1, depth):
+        frontier = sorted(level, key=lambda n: -n.score)[: min(beam, budget)]
+        states = torch.stack([parent_state[n.path[:-1]] for n in frontier])  # [B, H]
+        embeds = embed(torch.tensor([n.tokens[-1] for n in frontier])).to(dtype)  # [B, H]
+        known = 0 if draft_k is None else draft_k.shape[1]
+        ancestors = torch.zeros(len(frontier), known, dtype=torch.bool)
+        for row, node in enumerate(frontier):
+            for d in range(1, len(node.path)):
+                ancestors[row, index_of[node.path[:d]]] = True
+        out, k, v = layer.draft(cache, states, embeds, level_depth, None if draft_k is None else (draft_k, draft_v),
+                                ancestors)
+        for row, node in enumerate(frontier):
+            index_of[node.path] = known + row
+            parent_state[node.path] = out[row]
+        draft_k = k if draft_k is None else torch.cat([draft_k, k], dim=1)
+        draft_v = v if draft_v is None else torch.cat([draft_v, v], dim=1)
+        children = min(width, beam)
+        probs, ids = ranked(projection.rows_logits(layer.draft_states(out), projection.weight.shape[0]),
+                            children, projection)  # [B, children]
+        level = []
+        for node, row_probs, row_ids in zip(frontier, probs.tolist(), ids.tolist()):
+            for c, (p, t) in enumerate(zip(row_probs, row_ids)):
+                level.append(GrownNode(path=node.path + (c,), tokens=node.tokens + (t,), score=node.score * p))
+        grown += level
+        top = max(range(len(frontier)), key=lambda r: frontier[r].score)
+        greedy_probs.append(probs[top])
+        greedy_ids.append(ids[top])
+    shown = min(len(row) for row in greedy_ids)
+    return best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
+                      torch.stack([r[:shown] for r in greedy_ids]), kind="eagle")
+
+
+class EagleDrafter:
+    """The draft layer behind the drafter interface: keeps its cache over the accepted positions
+    (extended each step with the features the verify forward tapped) and grows EAGLE-2's tree."""
+
+    name = "eagle"
+    reads_history = True  # the answer's features (`DraftContext.features`)
+
+    def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
+        from core.drafters.interface import heads_for_drafting  # interface imports the other families
+        self.layer, self.projection, self.dtype = heads_for_drafting(layer, base)
+        embed = base.model.get_input_embeddings()
+        self.embed = embed if embed.weight.dtype == self.dtype else nn.Embedding.from_pretrained(
+            embed.weight.to(self.dtype), freeze=True)
+        self.taps = layer.config.taps
+        self.width, self.beam, self.depth, self.budget = width, beam, min(depth, EAGLE_DEPTH), budget
+        self.cache: EagleCache | None = None  # immutable: copy.copy of the drafter forks it safely
+        self.seen_chunks = 0
+        self.seen_rows = 0
+        self.last_state: torch.Tensor | None = None
+
+    @classmethod
+    def for_session(cls, layer: object, base: BaseModel, config) -> "EagleDrafter":
+        """The drafter of an eagle session (config: a `core.decoder.DecodeConfig`)."""
+        if not isinstance(layer, EagleLayer):
+            raise ValueError(f"strategy {config.strategy!r} needs an EAGLE draft layer")
+        return cls(layer, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)
+
+    def propose(self, context: DraftContext) -> GrownTree:
+        """The grown tree of `budget` nodes (or `context.max_nodes` when fewer)."""
+        budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
+        state = self._state(context)
+        return grow_eagle_tree(self.layer, self.embed, self.projection, self.cache, state, budget=budget,
+                               width=self.width, beam=self.beam, depth=min(self.depth, budget))
+
+    @torch.inference_mode()
+    def _state(self, context: DraftContext) -> torch.Tensor:
+        """[H] the layer's output at the last accepted position (it read the root token)."""
+        chunks = context.features
+        if not chunks:
+            raise ValueError("the EAGLE drafter needs the answer's tapped features (DraftContext.features)")
+        if self.seen_chunks > len(chunks):  # a shorter history than the one cached: start over
+            self.cache, self.seen_chunks, self.seen_rows = None, 0, 0
+        if self.seen_chunks < len(chunks):
+            fresh = torch.cat([c.to(self.dtype) for c in chunks[self.seen_chunks:]])  # [n, 3H]
+            rows = self.seen_rows + fresh.shape[0]
+            # history row i is followed by token i of the answer's last `rows` tokens (the root last)
+            following = torch.tensor(list(context.tokens[len(context.tokens) - rows + self.seen_rows:]))  # [n]
+            outputs, self.cache = self.layer.extend(self.cache, fresh, self.embed(following))
+            self.seen_chunks, self.seen_rows, self.last_state = len(chunks), rows, outputs[-1]
+        return self.last_state
+
+    def observe(self, proposed: object, verified_depths: Sequence[int], accepted_tokens: Sequence[int]) -> None:
+        """The layer is frozen; its calibration lives in the adaptive budget."""

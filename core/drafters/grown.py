@@ -1,0 +1,61 @@
+"""Trees a drafter grows node by node (Hydra's heads, the EAGLE draft layer): the shared result type
+and the best-first cut.
+
+A grower expands, depth by depth, the best nodes so far by joint score (the product of its
+conditional probabilities along the path), then keeps the `budget` best nodes of everything grown.
+The cut is prefix-closed because a child never scores above its parent; ties go to the shallower
+node. Columns of the token table are renumbered per depth (best first), so the tree is an ordinary
+`CandidateTree`: grafting, verification, acceptance and the KV commit are the ones every tree uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.tree import CandidateTree, RankPath
+
+
+@dataclass(frozen=True)
+class GrownTree:
+    """A tree a path-aware drafter grew node by node, in best-first order.
+
+    `token_table[d-1, c]` is the token of the node at depth d whose path ends in column c;
+    `probs`/`token_ids` are the drafter's conditional top-m along its greedy path (row d: what it
+    guessed at depth d after the top guesses of the rows above; for the heads table)."""
+
+    tree: CandidateTree  # scores: joint probability (product of conditionals along the path)
+    token_table: torch.Tensor  # [D, columns] long
+    probs: torch.Tensor  # [D, m]
+    token_ids: torch.Tensor  # [D, m]
+
+
+@dataclass
+class GrownNode:
+    """A node while growing: its creation path (unique, prefix-structured), tokens and joint score."""
+
+    path: tuple[int, ...]  # creation columns, root excluded
+    tokens: tuple[int, ...]  # tokens from depth 1 down to this node
+    score: float
+
+
+def best_first(grown: list[GrownNode], budget: int, greedy_probs: torch.Tensor, greedy_ids: torch.Tensor,
+               kind: str) -> GrownTree:
+    """The `budget` best grown nodes (parents first on ties), columns renumbered per depth."""
+    kept = sorted(grown, key=lambda n: (-n.score, len(n.path)))[:budget]
+    columns: dict[tuple[int, ...], RankPath] = {(): ()}
+    used_per_depth: dict[int, int] = {}
+    rows: dict[int, list[int]] = {}
+    # parents before children: renumber in order of depth, then score, so columns read best first
+    for node in sorted(kept, key=lambda n: (len(n.path), -n.score)):
+        depth = len(node.path)
+        column = used_per_depth.get(depth, 0)
+        used_per_depth[depth] = column + 1
+        columns[node.path] = columns[node.path[:-1]] + (column,)
+        rows.setdefault(depth, []).append(node.tokens[-1])
+    depth_count = max(rows, default=0)
+    table = torch.zeros(depth_count, max((len(r) for r in rows.values()), default=0), dtype=torch.long)  # [D, cols]
+    for depth, tokens in rows.items():
+        table[depth - 1, : len(tokens)] = torch.tensor(tokens)
+    tree = CandidateTree(paths=[columns[n.path] for n in kept], scores=[n.score for n in kept], kind=kind)
+    return GrownTree(tree=tree, token_table=table, probs=greedy_probs, token_ids=greedy_ids)

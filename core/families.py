@@ -1,0 +1,93 @@
+"""The drafter families, one entry each: what the grammar calls them, what a reader sees, how their
+weights load and how their drafter is built.
+
+Adding a family is one entry here plus its own module under `core/drafters/` (a drafter class with
+`for_session`, a loader of the shipped weights). Nothing else compares family names: the grammar
+(`core.strategy`), the decoder, labstate, the views and the benchmark read this table. Loaders
+and drafters are named by import path and resolved on use, so this module imports no torch (replay
+reads it without a model).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+AUTOREGRESSIVE = "autoregressive"
+FIXED = "fixed"
+DYNAMIC = "dynamic"
+HYDRA = "hydra"
+EAGLE = "eagle"
+MEDUSA = "medusa"  # the weights key of the Medusa heads (fixed and dynamic trees)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoding family."""
+
+    name: str  # the grammar's word (`StrategySpec.family`, `DecodeConfig.strategy`, `CandidateTree.kind`)
+    label: str  # what a reader sees
+    sized: bool = False  # sized by a node budget: takes auto, +lookup and +store
+    grows_tree: bool = False  # its drafter grows the tree node by node (a column is a node, not a head rank)
+    weights_key: str = ""  # which weights it drafts with (families sharing weights share the key)
+    weights: str = ""  # "module:function" of (base) -> (the shipped weights or None, a line for the header)
+    drafter: str = ""  # "module:Class" whose `for_session(weights, base, config)` builds the session's drafter
+    weights_name: str = ""  # what its weights are called in messages
+    weights_folder: str = ""  # where they ship
+    tree_phrase: str = ""  # the tree panel's phrase for its tree
+    rival: str = ""  # the family drawn beside it when the page compares drafters ("": none)
+    guesses: str = ""  # how its drafter guesses, in a few words (the rival tree's title)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether it drafts at all (plain decoding does not)."""
+        return bool(self.drafter)
+
+    def load_weights(self, base: Any) -> tuple[Any, str]:
+        """The shipped weights for `base` (its dtype and device; None when this copy ships none) and
+        a line describing them."""
+        return _resolve(self.weights)(base)
+
+    def build_drafter(self, weights: Any, base: Any, config: Any) -> Any:
+        """The drafter of one session: ValueError when `weights` are not this family's."""
+        return _resolve(self.drafter).for_session(weights, base, config)
+
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (
+    Family(AUTOREGRESSIVE, "autoregressive", tree_phrase="Autoregressive: the root only"),
+    Family(FIXED, "fixed", weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
+           drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
+           tree_phrase="Fixed tree", guesses="one guess per depth"),
+    Family(DYNAMIC, "dynamic", sized=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
+           drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
+           tree_phrase="Dynamic tree", rival=HYDRA, guesses="one guess per depth"),
+    Family(HYDRA, "Hydra tree", sized=True, grows_tree=True, weights_key="hydra",
+           weights="core.drafters.hydra:shipped_hydra_heads",
+           drafter="core.drafters.interface:HydraDrafter", weights_name="Hydra heads", weights_folder="assets/hydra",
+           tree_phrase="Hydra tree grown node by node", rival=DYNAMIC,
+           guesses="each guess reads its path"),
+    Family(EAGLE, "EAGLE tree", sized=True, grows_tree=True, weights_key="eagle",
+           weights="core.drafters.eagle:shipped_eagle",
+           drafter="core.drafters.eagle:EagleDrafter", weights_name="the EAGLE draft layer",
+           weights_folder="assets/eagle", tree_phrase="EAGLE tree grown from the draft layer's features", rival=HYDRA,
+           guesses="each guess reads the base model's features and its path"),
+)}
+
+
+def family(name: str) -> Family:
+    """The family called `name`; KeyError naming the known ones otherwise."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown family {name!r}: one of {', '.join(FAMILIES)}") from None
+
+
+def grows_tree(kind: str) -> bool:
+    """Whether a tree of this kind (a family's name, or a step kind) was grown node by node."""
+    entry = FAMILIES.get(kind)
+    return entry is not None and entry.grows_tree
+
+
+def _resolve(path: str) -> Callable[..., Any]:
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
