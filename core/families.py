@@ -37,6 +37,8 @@ class Family:
     tree_phrase: str = ""  # the tree panel's phrase for its tree
     rival: str = ""  # the family drawn beside it when the page compares drafters ("": none)
     guesses: str = ""  # how its drafter guesses, in a few words (the rival tree's title)
+    node_phrase: str = "head"  # a grown tree's node, before its depth ("Hydra head 2, child 0")
+    table_caption: str = ""  # the heads table's caption for a grown tree
 
     @property
     def drafts(self) -> bool:
@@ -65,12 +67,16 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            weights="core.drafters.hydra:shipped_hydra_heads",
            drafter="core.drafters.interface:HydraDrafter", weights_name="Hydra heads", weights_folder="assets/hydra",
            tree_phrase="Hydra tree grown node by node", rival=DYNAMIC,
-           guesses="each guess reads its path"),
+           guesses="each guess reads its path", node_phrase="Hydra head",
+           table_caption="Hydra heads read the path: row d is head d's guesses after the best guesses of the rows "
+                         "above (other branches of the tree got their own)"),
     Family(EAGLE, "EAGLE tree", sized=True, grows_tree=True, weights_key="eagle",
            weights="core.drafters.eagle:shipped_eagle",
            drafter="core.drafters.eagle:EagleDrafter", weights_name="the EAGLE draft layer",
            weights_folder="assets/eagle", tree_phrase="EAGLE tree grown from the draft layer's features", rival=HYDRA,
-           guesses="each guess reads the base model's features and its path"),
+           guesses="each guess reads the base model's features and its path", node_phrase="EAGLE draft step",
+           table_caption="The EAGLE draft layer reads the base model's features, then its own output: row d is its "
+                         "guesses at depth d after the best guesses of the rows above (other branches got their own)"),
 )}
 
 

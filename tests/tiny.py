@@ -138,3 +138,23 @@ def tiny_hydra(base: BaseModel, num_heads: int = 4, *, std: float = 0.05, seed: 
                            heads.prefix.down.weight):
                 weight.normal_(0.0, 4 * std, generator=generator)
     return heads.to(base.dtype).eval().requires_grad_(False)
+
+
+def tiny_eagle(base: BaseModel, *, std: float = 0.1, seed: int = 0) -> "EagleLayer":
+    """A random non-zero EAGLE draft layer over `base` (its whole vocabulary drafted), reading the
+    residual streams entering layer 0 (the embeddings) and the middle layer of a tiny model."""
+    from core.drafters.eagle import EagleConfig, EagleLayer
+    config = base.model.config
+    heads = config.num_attention_heads
+    layer = EagleLayer(EagleConfig(hidden_size=config.hidden_size, num_heads=heads,
+                                   kv_heads=config.num_key_value_heads, head_dim=config.hidden_size // heads,
+                                   intermediate=config.intermediate_size, vocab_size=config.vocab_size,
+                                   draft_vocab_size=config.vocab_size, taps=(0, config.num_hidden_layers // 2),
+                                   base_model=base.source))
+    layer.draft_vocab.copy_(torch.arange(config.vocab_size))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in layer.named_parameters():
+            if weight.dim() == 2:
+                weight.normal_(0.0, std, generator=generator)
+    return layer.to(base.dtype).eval().requires_grad_(False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from core.families import FAMILIES
 from core.strategy import LOOKUP
 from viz.facts import RunStats
 from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
@@ -51,7 +52,7 @@ def _source(record: StepRecord, node: int, copied: bool) -> tuple[str, int]:
         drafter = CHAIN_NAMES.get(outcome.node_source(node), outcome.node_source(node))
         return f"{drafter}, depth {len(path)}", len(path)
     if outcome.grown:
-        return (f"Hydra head {len(path)}, child {outcome.sibling_ranks()[node]} "
+        return (f"{FAMILIES[outcome.tree.kind].node_phrase} {len(path)}, child {outcome.sibling_ranks()[node]} "
                 f"(joint p {outcome.node_scores[node]:.3g})", len(path))
     return f"head {len(path)} rank {path[-1]} (joint p {outcome.node_scores[node]:.3g})", len(path)
 
@@ -172,8 +173,8 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None)
                          f"<small>{p:.3f}</small></td>")
         what = "after the best path" if record.outcome.grown else f"guesses t+{depth + 1}"
         rows.append(f"<tr><th>head {depth}<br><small>{what}</small></th>{''.join(cells)}</tr>")
-    caption = ('<caption>Hydra heads read the path: row d is head d\'s guesses after the best guesses of the rows '
-               'above (other branches of the tree got their own)</caption>') if record.outcome.grown else ""
+    caption = (f'<caption>{escape(FAMILIES[record.outcome.tree.kind].table_caption)}</caption>'
+               if record.outcome.grown else "")
     return (f'<div class="heads-table"><table>{caption}<thead><tr><th></th>{header}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')
 

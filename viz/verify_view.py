@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from core.families import FAMILIES
 from viz.labels import TokenBytes, escape, standalone_text, visible
 from viz.tree_plot import node_texts
 
@@ -83,7 +84,7 @@ def _source(outcome: TreeOutcome, node: int, copied: bool) -> str:
     if copied:
         return f"◆ {outcome.node_source(node)}"
     if outcome.grown:
-        return f"Hydra head {len(path)}, child {outcome.sibling_ranks()[node]}"
+        return f"{FAMILIES[outcome.tree.kind].node_phrase} {len(path)}, child {outcome.sibling_ranks()[node]}"
     return f"head {len(path)} rank {path[-1]}"
 
 

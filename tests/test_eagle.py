@@ -1,0 +1,188 @@
+"""The EAGLE-style drafter and the family table: training-time test is what drafting sees, tapping
+features changes no number, every family in the table round-trips the grammar and decodes greedily
+equal to plain decoding, the grown tree's invariants, the on-disk format and the views (tiny models)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.decoder import DecodeConfig, decode, strategy_config
+from core.drafters.eagle import EagleConfig, EagleLayer, grow_eagle_tree, load_eagle
+from core.families import FAMILIES, MEDUSA
+from core.strategy import parse_strategy
+from core.verify import forward_tokens
+from tests.tiny import greedy_reference, tiny_base, tiny_eagle, tiny_heads, tiny_hydra
+
+PROMPT = list(b"the cat sat on the mat and the cat sat on the")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base("llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def eagle(base):
+    return tiny_eagle(base)
+
+
+def _double_layer(seed: int = 0) -> EagleLayer:
+    torch.manual_seed(seed)
+    layer = EagleLayer(EagleConfig(hidden_size=32, num_heads=4, kv_heads=2, head_dim=8, intermediate=48,
+                                   vocab_size=50, draft_vocab_size=50, taps=(1, 2))).double()
+    for weight in layer.parameters():
+        torch.nn.init.normal_(weight, std=0.3)
+    return layer
+
+
+@pytest.mark.parametrize("anchor", [0, 3, 6])
+def test_training_time_test_is_what_drafting_sees(anchor):
+    """Step j of `ttt_states` at row t equals drafting depth j-1 below the layer's output at t:
+    extending the cache with rows 0..t, then feeding its own states down the true path."""
+    layer = _double_layer()
+    length = 7
+    features = torch.randn(1, length, 96, dtype=torch.double)
+    embeds = torch.randn(length + 3, 32, dtype=torch.double)
+    steps = layer.ttt_states(features, torch.tensor([length]), 3, lambda j, _: embeds[None, j - 1:j - 1 + length])
+    out, cache = layer.extend(None, features[0, :anchor + 1], embeds[:anchor + 1])
+    assert torch.allclose(out[-1], steps[0][0, anchor], atol=1e-12)
+    first, keys, values = layer.draft(cache, out[-1:], embeds[anchor + 1:anchor + 2], 1, None,
+                                      torch.zeros(1, 0, dtype=torch.bool))
+    assert torch.allclose(first[0], steps[1][0, anchor], atol=1e-12)
+    second, _, _ = layer.draft(cache, first, embeds[anchor + 2:anchor + 3], 2, (keys, values),
+                               torch.ones(1, 1, dtype=torch.bool))
+    assert torch.allclose(second[0], steps[2][0, anchor], atol=1e-12)
+
+
+def test_a_cache_extended_step_by_step_equals_one_pass():
+    layer = _double_layer(1)
+    features, embeds = torch.randn(9, 96, dtype=torch.double), torch.randn(9, 32, dtype=torch.double)
+    whole, _ = layer.extend(None, features, embeds)
+    first, cache = layer.extend(None, features[:4], embeds[:4])
+    rest, cache = layer.extend(cache, features[4:], embeds[4:])
+    assert cache.length == 9
+    assert torch.allclose(torch.cat([first, rest]), whole, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["exact", "lean", "hf"])
+def test_tapping_changes_no_number(engine):
+    """The hidden states with taps are bitwise those without; the taps are the residual streams
+    transformers reports as hidden_states[i] (within rounding)."""
+    base = tiny_base("llama", num_hidden_layers=4, engine=engine)
+    ids = torch.tensor(PROMPT[:12])
+    plain = forward_tokens(base, base.new_cache(32), ids, torch.arange(12))
+    tapped = forward_tokens(base, base.new_cache(32), ids, torch.arange(12), taps=(0, 2))
+    assert plain.tapped is None and torch.equal(plain.hidden, tapped.hidden)
+    with torch.inference_mode():
+        reference = base.model.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    for row, layer in enumerate((0, 2)):
+        torch.testing.assert_close(tapped.tapped[row], reference[layer][0], atol=1e-5, rtol=1e-5)
+
+
+def test_every_family_round_trips_the_grammar_and_decodes_like_plain(base):
+    """Every entry of the family table: its text parses back to itself, its drafter builds on a tiny
+    model, and greedy decoding with it equals plain greedy decoding token for token."""
+    weights = {MEDUSA: tiny_heads(base), "hydra": tiny_hydra(base), "eagle": tiny_eagle(base)}
+    expected = greedy_reference(base, PROMPT, 40)
+    for name, entry in FAMILIES.items():
+        text = "ar" if not entry.drafts else f"{name}:12" if entry.sized else name
+        spec = parse_strategy(text)
+        assert spec.family == name and parse_strategy(spec.text) == spec
+        assert entry.label in spec.label or not entry.sized
+        config = strategy_config(spec, DecodeConfig(max_new_tokens=40, top_m=6))
+        if entry.drafts:
+            assert entry.weights_key in weights, f"no tiny weights for the {name} family's {entry.weights_key}"
+        session = decode(base, weights.get(entry.weights_key), PROMPT, config)
+        assert session.output_ids == expected, name
+        if entry.sized:
+            assert max(r.outcome.tree.num_nodes for r in session.records) > 1, name
+
+
+@pytest.mark.parametrize("spec", [dict(budget=20), dict(budget=40, auto_budget=True, lookup_tokens=8)])
+def test_eagle_greedy_equals_plain_and_reads_the_whole_answer(base, eagle, spec):
+    expected = greedy_reference(base, PROMPT, 48)
+    session = decode(base, eagle, PROMPT, DecodeConfig(strategy="eagle", max_new_tokens=48, top_m=8, **spec))
+    assert session.output_ids == expected
+    # one feature row per emitted token, each low | mid | high
+    assert sum(len(chunk) for chunk in session.feature_history) == len(session.output_ids)
+    assert session.feature_history[0].shape[-1] == 3 * base.model.config.hidden_size
+
+
+def test_eagle_grown_tree_is_a_best_first_tree(base, eagle):
+    hidden = base.model.config.hidden_size
+    features, embeds = torch.randn(5, 3 * hidden), torch.randn(5, hidden)
+    _, cache = eagle.extend(None, features, embeds)
+    state = torch.randn(hidden)
+    grown = grow_eagle_tree(eagle, base.model.get_input_embeddings(), eagle.draft_projection(base.lm_head),
+                            cache, state, budget=30, width=6, beam=4, depth=4)
+    tree = grown.tree
+    assert tree.num_nodes == 30 and tree.kind == "eagle"
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    seen = set()
+    for path in tree.paths:
+        assert len(path) == 1 or path[:-1] in seen  # parents first
+        seen.add(path)
+    table = grown.token_table.tolist()
+    pairs = [(p[:-1], table[len(p) - 1][p[-1]]) for p in tree.paths]
+    assert len(pairs) == len(set(pairs))  # no token twice under one parent
+
+
+def test_eagle_saves_loads_and_refuses_other_weights(eagle, tmp_path):
+    eagle.save(tmp_path / "eagle")
+    loaded = load_eagle(tmp_path / "eagle")
+    assert loaded.config == eagle.config
+    for key, value in eagle.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    tiny_hydra(tiny_base("llama")).save(tmp_path / "hydra")
+    with pytest.raises(ValueError, match="does not hold an EAGLE draft layer"):
+        load_eagle(tmp_path / "hydra")
+
+
+def test_eagle_refuses_medusa_heads(base):
+    with pytest.raises(ValueError, match="needs an EAGLE draft layer"):
+        decode(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="eagle", max_new_tokens=4))
+
+
+def test_eagle_steps_draw_in_every_view(base, eagle):
+    from viz.text_html import heads_html
+    from viz.tree_plot import tree_figure
+    from viz.verify_view import verification_html
+    session = decode(base, eagle, PROMPT, DecodeConfig(strategy="eagle", budget=20, top_m=6, max_new_tokens=12))
+    record = max(session.records, key=lambda r: r.outcome.tree.num_nodes)
+    assert record.outcome.grown and record.outcome.tree.num_nodes == 20
+    assert len(tree_figure(record.outcome, "EAGLE", "", None).data) > 0
+    assert "EAGLE draft step 1, child" in verification_html(record, greedy=True)
+    assert "EAGLE draft layer reads the base model" in heads_html(record)
+
+
+def test_training_time_test_loss_learns():
+    """A few optimiser steps of the training loss on synthetic answers lower it."""
+    from offline.eagle_features import FusedFeatures
+    from offline.train import train_vocab
+    from offline.train_eagle import ttt_loss
+    torch.manual_seed(0)
+    hidden, vocab_size, answers, length = 32, 40, 6, 10
+    count = answers * length
+    tokens = torch.randint(0, vocab_size, (count,))
+    features = FusedFeatures(low=torch.randn(count, hidden).bfloat16(), mid=torch.randn(count, hidden).bfloat16(),
+                             high=torch.randn(count, hidden).bfloat16(), tokens=tokens,
+                             remaining=torch.arange(length - 1, -1, -1).repeat(answers),
+                             teacher_ids=torch.stack([torch.roll(torch.arange(vocab_size), -int(t))[:32] for t in tokens]).int(),
+                             teacher_probs=torch.full((count, 32), 1 / 32).half())
+    layer = EagleLayer(EagleConfig(hidden_size=hidden, num_heads=4, kv_heads=2, head_dim=8, intermediate=48,
+                                   vocab_size=vocab_size, draft_vocab_size=vocab_size, taps=(1, 2)))
+    layer.draft_vocab.copy_(torch.arange(vocab_size))
+    vocab = train_vocab(torch.randn(vocab_size, hidden), layer.draft_vocab)
+    embed = torch.randn(vocab_size, hidden)
+    starts = features.starts
+    lengths = features.remaining[starts] + 1
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss, accuracy = ttt_loss(layer, embed, vocab, features, starts, lengths, torch.arange(answers), 3, 0.8)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert len(accuracy) == 3
+    assert losses[-1] < 0.9 * losses[0]
