@@ -23,8 +23,13 @@ from pathlib import Path
 
 import torch
 from torch.nn import functional as F
+from tqdm import tqdm
 
-from core.drafters.eagle import EagleConfig, EagleLayer, eagle_taps, init_from_base
+from core.drafters.eagle import (EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleConfig, EagleLayer, eagle_taps,
+                                 grow_eagle_tree, init_from_base)
+from core.drafters.grown import GrownTree, accepted_depth, cut_grown
+from core.families import EAGLE
+from core.strategy import StrategySpec
 from core.drafters.medusa import DraftProjection
 from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, load_base_model
@@ -36,6 +41,8 @@ DEFAULTS = TrainConfig(data="assets/distill/distill.jsonl.gz,assets/distill/dist
                        out="assets/eagle", family="eagle", batch_size=16, lr=1e-3, decay=0.8, draft_vocab=8192,
                        num_heads=3)  # num_heads: the training-time-test steps (the depths trained)
 TOP = 5
+BUDGETS = (16, 32, 64)  # tree sizes the simulation reports
+WIDTH = 32  # children of the root (the decoder's default top_m)
 LOSS_SHARE = 0.5  # rows of a step that the loss reads (module docstring)
 
 
@@ -167,15 +174,47 @@ def _states_fed(layer: EagleLayer, fused: torch.Tensor, embed: torch.Tensor, tok
     return [top_ids(states) for states in layer.ttt_states(fused, lens, depths, read_tokens)]
 
 
+@torch.inference_mode()
+def eagle_tokens_per_step(layer: EagleLayer, base: BaseModel, features: FusedFeatures,
+                          budgets: tuple[int, ...] = BUDGETS) -> dict[str, float]:
+    """Exact greedy simulation of the grown tree at each budget over the held-out answers (the base
+    model's own greedy text, so a node is accepted exactly when it is the answer's next token):
+    steps walk each answer, a step accepting its matched depth plus the bonus token."""
+    embed = base.model.get_input_embeddings()
+    projection = layer.draft_projection(base.lm_head)
+    fused_all = torch.cat([features.low, features.mid, features.high], dim=-1).float()  # [N, 3H]
+    totals = {b: [0, 0] for b in budgets}
+    starts = features.starts.tolist()
+    ends = starts[1:] + [len(features.tokens)]
+    for start, end in tqdm(list(zip(starts, ends)), desc="EAGLE simulate"):
+        answer = features.tokens[start:end].tolist()
+        outputs, cache = layer.extend(None, fused_all[start:end], embed(features.tokens[start:end]))  # [L, H]
+        grown_at: dict[int, GrownTree] = {}
+        for budget in budgets:
+            i, steps, emitted = 0, 0, 0
+            while i < len(answer) - 1:
+                if i not in grown_at:  # the cache as decoding holds it at answer position i
+                    at_i = EagleCache(keys=cache.keys[:, :i + 1], values=cache.values[:, :i + 1])
+                    grown_at[i] = grow_eagle_tree(layer, embed, projection, at_i, outputs[i], budget=max(budgets),
+                                                  width=WIDTH, beam=EAGLE_BEAM, depth=EAGLE_DEPTH)
+                accepted = accepted_depth(cut_grown(grown_at[i], budget), answer, i)
+                step = min(accepted + 1, len(answer) - 1 - i)
+                steps, emitted, i = steps + 1, emitted + step, i + step
+            totals[budget][0] += steps
+            totals[budget][1] += emitted
+    return {StrategySpec(family=EAGLE, budget=b).text: e / s for b, (s, e) in totals.items() if s}
+
+
 def eagle_report(base: BaseModel, layer: EagleLayer, sets: dict[str, list[dict]], depths: int = 4) -> dict:
-    """Held-out top-1 / top-5 by depth, given the path and fed its own guesses."""
+    """Held-out top-1 / top-5 by depth, given the path and fed its own guesses; tokens per step."""
     held_out = {}
     for name, rows in sets.items():
         rows = [r for r in rows if len(r["answer_ids"]) >= 2]
         features = extract(base, rows)
         held_out[name] = {"positions": int(features.tokens.shape[0]),
                           "given_path": depth_accuracy(layer, base, features, depths, own_guesses=False),
-                          "own_guesses": depth_accuracy(layer, base, features, depths, own_guesses=True)}
+                          "own_guesses": depth_accuracy(layer, base, features, depths, own_guesses=True),
+                          "tokens_per_step": eagle_tokens_per_step(layer, base, features)}
     return {"family": "eagle", "eval": "base fp32 greedy answers (128 new tokens); every state after depth 1 the layer's own",
             "draft_vocab": layer.config.draft_vocab_size, "held_out": held_out}
 

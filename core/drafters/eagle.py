@@ -28,7 +28,9 @@ On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle")
 """
 from __future__ import annotations
 
+import copy
 import json
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -150,7 +152,7 @@ class EagleLayer(nn.Module):
         return self.out_norm(states)
 
     def _grouped(self, kv: torch.Tensor) -> torch.Tensor:
-        """[..., kv_heads, n, d] -> [..., heads, n, d] (each key/value head serves its group)."""
+        """[..., kv_heads, n, d] -> [..., heads, n, d] (each key/value head serves its group; training)."""
         return kv.repeat_interleave(self.config.num_heads // self.config.kv_heads, dim=-3)
 
     # -- decoding -----------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class EagleLayer(nn.Module):
             k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [kvh, total, d]
         new, total = x.shape[0], k.shape[1]
         allowed = torch.ones(new, total, dtype=torch.bool, device=x.device).tril(total - new)  # [n, total]
-        attended = F.scaled_dot_product_attention(q, self._grouped(k), self._grouped(v), attn_mask=allowed)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
         return self._finish(x, attended), EagleCache(keys=k, values=v)
 
     def draft(self, cache: EagleCache, parent_states: torch.Tensor, token_embeds: torch.Tensor,
@@ -186,7 +188,7 @@ class EagleLayer(nn.Module):
                              torch.eye(batch, dtype=torch.bool, device=x.device)], dim=1)  # [B, total]
         all_k = torch.cat(keys + [k], dim=1)  # [kvh, total, d]
         all_v = torch.cat(values + [v], dim=1)
-        attended = F.scaled_dot_product_attention(q, self._grouped(all_k), self._grouped(all_v), attn_mask=visible)
+        attended = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible, enable_gqa=True)
         return self._finish(x, attended), k, v
 
     # -- training -------------------------------------------------------------------------------------
@@ -357,6 +359,36 @@ def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftPro
                       torch.stack([r[:shown] for r in greedy_ids]), kind="eagle")
 
 
+class _KernelLinear(nn.Module):
+    """A linear map through a kernel product (`ExactLlama.kernel_product`)."""
+
+    def __init__(self, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.product = product
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+# each layer's drafting copy per base model (read-only, shared by every session)
+_ON_KERNELS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def drafting_layer(layer: EagleLayer, base: BaseModel) -> EagleLayer:
+    """`layer` as a session drafts with it: on the exact engine its products run through the kernels
+    with bf16 weights (half fp32's bytes; a draft only proposes, the verify decides every token)."""
+    if not base.exact:
+        return layer
+    copies = _ON_KERNELS.setdefault(layer, {})
+    if id(base) not in copies:
+        twin = copy.deepcopy(layer)
+        for name in ("fuse", "inp", "q", "kv", "o", "gate_up", "down"):
+            weight = getattr(layer, name).weight
+            setattr(twin, name, _KernelLinear(base.engine.kernel_product(weight.detach().bfloat16())))
+        copies[id(base)] = twin
+    return copies[id(base)]
+
+
 class EagleDrafter:
     """The draft layer behind the drafter interface: keeps its cache over the accepted positions
     (extended each step with the features the verify forward tapped) and grows EAGLE-2's tree."""
@@ -366,7 +398,8 @@ class EagleDrafter:
 
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         from core.drafters.interface import heads_for_drafting  # interface imports the other families
-        self.layer, self.projection, self.dtype = heads_for_drafting(layer, base)
+        drafting, self.projection, self.dtype = heads_for_drafting(layer, base)
+        self.layer = drafting_layer(drafting, base)
         embed = base.model.get_input_embeddings()
         self.embed = embed if embed.weight.dtype == self.dtype else nn.Embedding.from_pretrained(
             embed.weight.to(self.dtype), freeze=True)

@@ -59,3 +59,24 @@ def best_first(grown: list[GrownNode], budget: int, greedy_probs: torch.Tensor, 
         table[depth - 1, : len(tokens)] = torch.tensor(tokens)
     tree = CandidateTree(paths=[columns[n.path] for n in kept], scores=[n.score for n in kept], kind=kind)
     return GrownTree(tree=tree, token_table=table, probs=greedy_probs, token_ids=greedy_ids)
+
+
+def accepted_depth(grown: GrownTree, answer: list[int], start: int) -> int:
+    """How many of answer[start+1:] the grown tree's nodes match, following one path from the root
+    (greedy acceptance when `answer` is the base model's own greedy text)."""
+    table = grown.token_table.tolist()
+    child = {(path[:-1], table[len(path) - 1][path[-1]]): path for path in grown.tree.paths}
+    path: tuple[int, ...] = ()
+    depth = 0
+    while start + depth + 1 < len(answer):
+        found = child.get((path, answer[start + depth + 1]))
+        if found is None:
+            break
+        path, depth = found, depth + 1
+    return depth
+
+
+def cut_grown(grown: GrownTree, budget: int) -> GrownTree:
+    """The first `budget` nodes of a grown tree (its best-first order keeps every prefix a tree)."""
+    tree = CandidateTree(paths=grown.tree.paths[:budget], scores=grown.tree.scores[:budget], kind=grown.tree.kind)
+    return GrownTree(tree=tree, token_table=grown.token_table, probs=grown.probs, token_ids=grown.token_ids)

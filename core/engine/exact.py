@@ -225,6 +225,13 @@ class ExactLlama:
         return KernelProduct(self.kernels, self.kernels.Weight(BF16, weight.detach().bfloat16().contiguous(), rows,
                                                            width))
 
+    def kernel_product(self, weight: torch.Tensor) -> "KernelProduct":
+        """`x @ weight.T` through the kernels for a drafter's own layer (weight [out, in], fp32 or bf16)."""
+        data = weight.detach().contiguous()
+        fmt = BF16 if data.dtype == torch.bfloat16 else F32
+        data = data if fmt == BF16 else data.float().contiguous()
+        return KernelProduct(self.kernels, self.kernels.Weight(fmt, data, data.shape[0], data.shape[1]))
+
     def new_slots(self, slots: int, capacity: int) -> SlotCache:
         return self.lean.new_slots(slots, capacity)
 
