@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -129,6 +129,9 @@ def _fixed_tree_of(name: str) -> str | tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in choices)
 
 
+T = TypeVar("T")
+
+
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -140,6 +143,24 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class PhaseClock:
+    """Wall seconds per phase of one step (the fields of `PhaseTimes`), CUDA synchronised at each reading."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def time(self, phase: str, work: Callable[..., T], *args: object) -> T:
+        """`work(*args)`, its wall time added to `phase`."""
+        start = _clock(self.device)
+        result = work(*args)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + _clock(self.device) - start
+        return result
+
+    def times(self, texts: float) -> PhaseTimes:
+        return PhaseTimes(**self.seconds, texts=texts)
 
 
 def _top2(logits: torch.Tensor) -> tuple[float, float]:
@@ -160,8 +181,9 @@ class DecodeSession:
             raise ValueError(f"strategy {config.strategy!r} needs {self.family.weights_name}")
         self.base = base
         self.config = config
-        compared = config.compare_fixed and config.strategy == DYNAMIC  # a fixed tree over the same heads
-        self.fixed = config.resolve_fixed_tree() if config.strategy == FIXED or compared else None
+        # the fixed tree: decoded (fixed), or verified aside over a dynamic tree's heads (the comparison)
+        self.fixed_aside = config.compare_fixed and config.strategy == DYNAMIC
+        self.fixed = config.resolve_fixed_tree() if config.strategy == FIXED or self.fixed_aside else None
         if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
             raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
         if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
@@ -231,22 +253,28 @@ class DecodeSession:
 
     @torch.inference_mode()
     def step(self) -> StepRecord:
-        """Run one decoding step: draft, build, verify, accept, commit. RuntimeError once finished."""
+        """Run one decoding step: draft, build, verify, accept, commit, record. RuntimeError once finished."""
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
-        max_depth = self._room() - 1  # deeper nodes would not fit the context
+        clock = PhaseClock(self.base.device)
         controller = self.auto.state if self.auto is not None else ""
+        max_depth = self._room() - 1  # deeper nodes would not fit the context
         self._text_seconds = 0.0
-        t0 = _clock(self.base.device)
-        heads, chains = self._draft(max_depth)
-        draft_seconds = _clock(self.base.device) - t0
-        if heads is None and not chains:
-            record = self._step_autoregressive()
+        heads, drafted = clock.time("heads", self._draft, max_depth)
+        if heads is None and not drafted:
+            record = self._step_autoregressive(clock)
         else:
-            record = self._step_tree(heads, chains, max_depth)
-        record = replace(record, times=replace(record.times, heads=record.times.heads + draft_seconds,
-                                               texts=self._text_seconds),
-                         new_tokens=self._emit(record.new_tokens), controller=controller)
+            chains = [chain for _, proposed in drafted for chain in proposed]
+            draft = clock.time("tree", self._build, heads, chains, max_depth)
+            comparison, rival = clock.time("compare", self._verify_asides, heads, draft, max_depth)
+            context = cache_length(self.cache)
+            out = clock.time("verify", self._verify, draft)
+            outcome = clock.time("accept", self._accept, draft, out)
+            clock.time("commit", self._commit, context, outcome, out)
+            self._observe_chains(drafted, draft, outcome.accepted_tokens)
+            record = self._tree_record(heads, draft, outcome, context, comparison, rival)
+        record = replace(record, times=clock.times(texts=self._text_seconds), controller=controller,  # timed here
+                         new_tokens=self._emit(record.new_tokens))
         self.records.append(record)
         if self.auto is not None:
             self.auto.observe(record)
@@ -350,17 +378,12 @@ class DecodeSession:
                 chains.append((drafter, proposed))
         return heads, chains
 
-    def _step_autoregressive(self) -> StepRecord:
-        device = self.base.device
+    def _step_autoregressive(self, clock: "PhaseClock") -> StepRecord:
+        """A plain step: the root alone, its logits, the next token."""
         context = cache_length(self.cache)
-        t0 = _clock(device)
-        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),
-                             taps=self.taps)
+        out = clock.time("verify", self._forward_root, context)
         logits = out.row(0)  # [V] the logits belong to the forward, as in a tree step
-        t1 = _clock(device)
-        bonus = next_token(logits, self.config.accept.sampling, self.generator)
-        top_logits = _top2(logits)  # the margin of this choice, for near-tie checks
-        t2 = _clock(device)
+        bonus = clock.time("accept", next_token, logits, self.config.accept.sampling, self.generator)
         self.last_hidden, self.root_token = out.hidden[0], bonus
         self._remember_hidden(out, slice(0, 1))
         root = int(self.output_ids[-1])
@@ -369,8 +392,14 @@ class DecodeSession:
                               node_texts=self._texts([root]), bonus_text="".join(self._texts([bonus])),
                               head_scores=[1.0])
         return StepRecord(index=len(self.records), strategy=AUTOREGRESSIVE, context_length=context,
-                          head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus],
-                          times=PhaseTimes(verify=t1 - t0, accept=t2 - t1), top_logits=top_logits)
+                          head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus], times=PhaseTimes(),
+                          top_logits=_top2(logits))  # the margin of this choice, for near-tie checks
+
+    def _forward_root(self, context: int) -> VerifyOutput:
+        out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),
+                             taps=self.taps)
+        out.row(0)  # the logits: part of the forward's time
+        return out
 
     def _build(self, heads: HeadProposal | GrownTree | None, chains: list[Chain], max_depth: int) -> DraftTree:
         """The step's tree: the policy's tree, cut to the context, then (auto) to the best prefix."""
@@ -384,30 +413,57 @@ class DecodeSession:
             draft = draft.keep(size=self.auto.choose(draft, heads_used=heads is not None, context=context))
         return draft
 
-    def _verify_and_accept(self, draft: DraftTree, generator: torch.Generator | None = None
-                           ) -> tuple[TreeOutcome, VerifyOutput, float, float]:
-        """Verify the tree on top of the cache and apply the acceptance rule (the cache keeps the tree).
-        `generator`: the random source of sampling rules (default: the session's own)."""
-        device = self.base.device
+    def _verify(self, draft: DraftTree) -> VerifyOutput:
+        """One forward over the whole tree on top of the cache (which keeps it until the commit),
+        with the logits of the rows the acceptance rule reads."""
         tree = draft.tree
         buffers = tree.buffers()
         tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
-        t0 = _clock(device)
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids, self.taps)
         out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
-        t1 = _clock(device)
+        return out
+
+    def _accept(self, draft: DraftTree, out: VerifyOutput, generator: torch.Generator | None = None) -> TreeOutcome:
+        """The acceptance rule on a verified tree (`generator`: the random source of sampling rules,
+        default the session's own) and what the record shows of it."""
+        tree = draft.tree
+        tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
         result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
-        t2 = _clock(device)
         token_list = tokens.tolist()
         head_scores = draft.node_head_scores()
         scores = tree.scores if tree.scores is not None else [s or 0.0 for s in head_scores[1:]]
-        outcome = TreeOutcome(tree=tree, node_tokens=token_list, node_scores=[1.0] + list(scores),
-                              accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
-                              node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
-                              lookup_rank=draft.first_chain_rank if draft.chains else None,
-                              chain_sources=tuple(c.source for c in draft.chains), head_scores=head_scores,
-                              base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.config.record_texts else [])
-        return outcome, out, t1 - t0, t2 - t1
+        return TreeOutcome(tree=tree, node_tokens=token_list, node_scores=[1.0] + list(scores),
+                           accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
+                           node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
+                           lookup_rank=draft.first_chain_rank if draft.chains else None,
+                           chain_sources=tuple(c.source for c in draft.chains), head_scores=head_scores,
+                           base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.config.record_texts else [])
+
+    def _commit(self, context: int, outcome: TreeOutcome, out: VerifyOutput) -> None:
+        """Keep the accepted path in the cache (copied into place, the rest dropped) and what the
+        next step drafts from: its last hidden state (and features) and the bonus token as root."""
+        accepted = torch.tensor(outcome.accepted_nodes, device=self.base.device)  # [k] root first
+        keep_accepted(self.cache, context, accepted)
+        self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
+        self._remember_hidden(out, accepted)
+        self.root_token = outcome.bonus_token
+
+    def _verify_asides(self, heads: HeadProposal | GrownTree | None, draft: DraftTree, max_depth: int
+                       ) -> tuple[TreeOutcome | None, TreeOutcome | None]:
+        """The page's side-by-side trees on this step's context (verified, never committed): the
+        fixed tree over the same heads' guesses, and the rival family's tree of the same size."""
+        comparison = rival = None
+        if self.fixed_aside and isinstance(heads, HeadProposal):
+            fixed = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
+            comparison = self._verify_aside(fixed.stop_after(self.root_token, self.base.eos_token_ids)
+                                            .keep(max_depth=max_depth))
+        if self.rival_drafter is not None and heads is not None:
+            nodes = max(draft.tree.num_nodes, 1)
+            proposal = self.rival_drafter.propose(self._draft_context())
+            theirs = build_draft_tree(proposal, [], nodes, self.config.top_m, self.config.depth)
+            rival = self._verify_aside(theirs.stop_after(self.root_token, self.base.eos_token_ids)
+                                       .keep(max_depth=max_depth, size=nodes))
+        return comparison, rival
 
     def _verify_aside(self, draft: DraftTree) -> TreeOutcome:
         """A tree verified and judged on the current context, then dropped from the cache (UI only).
@@ -418,62 +474,22 @@ class DecodeSession:
         twin = torch.Generator()
         twin.set_state(self.generator.get_state())
         text_seconds = self._text_seconds  # an aside's texts are the comparison's, not the step's
-        outcome, _, _, _ = self._verify_and_accept(draft, twin)
+        outcome = self._accept(draft, self._verify(draft), twin)
         self._text_seconds = text_seconds
         truncate(self.cache, context)
         return outcome
 
-    def _compare_fixed(self, heads: HeadProposal, max_depth: int) -> tuple[TreeOutcome, float]:
-        """The fixed tree on the same heads and context, verified but never committed (UI only)."""
-        c0 = _clock(self.base.device)
-        draft = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
-        draft = draft.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)
-        return self._verify_aside(draft), _clock(self.base.device) - c0
-
-    def _compare_rival(self, nodes: int, max_depth: int) -> tuple[TreeOutcome, float]:
-        """The other heads family's tree from the same context and size, verified but never committed."""
-        c0 = _clock(self.base.device)
-        proposal = self.rival_drafter.propose(self._draft_context())
-        draft = build_draft_tree(proposal, [], max(nodes, 1), self.config.top_m, self.config.depth)
-        draft = draft.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth, size=max(nodes, 1))
-        return self._verify_aside(draft), _clock(self.base.device) - c0
-
-    def _step_tree(self, heads: HeadProposal | GrownTree | None, drafted: list[tuple[Drafter, list[Chain]]],
-                   max_depth: int) -> StepRecord:
-        """One tree step; without the heads (dynamic:auto backing off) the tree holds the chains alone."""
-        device = self.base.device
-        context = cache_length(self.cache)
-        chains = [chain for _, proposed in drafted for chain in proposed]
-        t1 = _clock(device)
-        draft = self._build(heads, chains, max_depth)
-        t2 = _clock(device)
-        comparison, compare_seconds, rival = None, 0.0, None
-        if self.config.compare_fixed and self.config.strategy == DYNAMIC and isinstance(heads, HeadProposal):
-            comparison, compare_seconds = self._compare_fixed(heads, max_depth)
-        if self.rival_drafter is not None and heads is not None:
-            rival, rival_seconds = self._compare_rival(draft.tree.num_nodes, max_depth)
-            compare_seconds += rival_seconds
-        outcome, out, verify_seconds, accept_seconds = self._verify_and_accept(draft)
-        c0 = _clock(device)
-        accepted = torch.tensor(outcome.accepted_nodes, device=device)  # [k] root first
-        keep_accepted(self.cache, context, accepted)
-        self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
-        self._remember_hidden(out, accepted)
-        self.root_token = outcome.bonus_token
-        commit_seconds = _clock(device) - c0
-        self._observe_chains(drafted, draft, outcome.accepted_tokens)
+    def _tree_record(self, heads: HeadProposal | GrownTree | None, draft: DraftTree, outcome: TreeOutcome,
+                     context: int, comparison: TreeOutcome | None, rival: TreeOutcome | None) -> StepRecord:
+        """What a tree step leaves for the views; without the heads (dynamic:auto backing off) a
+        step verified the chains alone."""
         shown = min(self.config.top_m, 10)
         head_ids = heads.token_ids[:, :shown].tolist() if heads is not None else []
-        if heads is not None:
-            kind = self.config.strategy
-        else:
-            kind = LOOKUP if draft.tree.num_nodes else AUTOREGRESSIVE
+        kind = self.config.strategy if heads is not None else LOOKUP if draft.tree.num_nodes else AUTOREGRESSIVE
         return StepRecord(
             index=len(self.records), context_length=context, strategy=kind,
             head_token_ids=head_ids, head_probs=heads.probs[:, :shown].tolist() if heads is not None else [],
-            outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token],
-            times=PhaseTimes(tree=t2 - t1, verify=verify_seconds, accept=accept_seconds,
-                             commit=commit_seconds, compare=compare_seconds),
+            outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token], times=PhaseTimes(),
             comparison=comparison, rival=rival,
             head_texts=[self._texts(row) for row in head_ids] if self.config.record_texts else [],
         )

@@ -28,13 +28,14 @@ def test_the_step_tree_stops_at_eos():
     session, proposal, greedy = _session_with_eos_at_second_token()
     draft = session._build(proposal, [], max_depth=3)
     assert (0, 0, 0) not in draft.tree  # nothing below the EOS node
-    outcome, _, _, _ = session._verify_and_accept(draft)
+    outcome = session._accept(draft, session._verify(draft))
     assert outcome.accepted_tokens == greedy[1:3]  # g1, then EOS, and nothing after it
 
 
 def test_the_fixed_tree_comparison_stops_at_eos():
     session, proposal, greedy = _session_with_eos_at_second_token()
-    comparison, _ = session._compare_fixed(proposal, max_depth=3)
+    draft = session._build(proposal, [], max_depth=3)
+    comparison, _ = session._verify_asides(proposal, draft, max_depth=3)
     assert comparison.accepted_tokens == greedy[1:3]
     assert comparison.tree.num_nodes == 2
 
