@@ -139,7 +139,7 @@ def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable)
     """One settings event: parse, then `act(lab, prompt, settings)` -> message, then draw the run."""
     def action() -> tuple:
         prompt, settings, note = _settings(values)
-        labstate.warm_up(settings.precision, settings.spec.family != "autoregressive", gr.Info)  # says what it does
+        labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)  # says what it does
         key = _session_key(request)
         lab = labstate.decoding_state(SESSIONS, key) if act is not labstate.start_fresh else SESSIONS.open(key)
         with lab.working():
@@ -180,7 +180,7 @@ def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"]
     key = _session_key(request)
     try:
         prompt, settings, note = _settings(values)
-        labstate.warm_up(settings.precision, settings.spec.family != "autoregressive", gr.Info)
+        labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)
         lab = labstate.decoding_state(SESSIONS, key)
         with lab.working():
             for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab),

@@ -123,7 +123,7 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
                                          "(dynamic only; costs a second verify, not counted in tokens/s)",
                                          elem_id="compare"),
             "compare_heads": gr.Checkbox(value=values["compare_heads"], label="Also draw the other heads' tree "
-                                         "on the same context (Medusa ↔ Hydra; a third verify, not counted)",
+                                         "on the same context (Medusa ↔ Hydra, EAGLE → Hydra; a third verify, not counted)",
                                          elem_id="compare-heads"),
             "rule": gr.Radio(list(ACCEPT_RULES), value=values["rule"], label="Acceptance rule", elem_id="rule"),
             "temperature": gr.Slider(0.0, labstate.MAX_TEMPERATURE, value=values["temperature"], step=0.05,

@@ -118,6 +118,11 @@ class StrategySpec:
         return f"{name} on {forward}" if forward else name
 
     @property
+    def drafts(self) -> bool:
+        """Whether it drafts a tree (plain decoding and transformers' peers do not)."""
+        return self.family in FAMILIES and FAMILIES[self.family].drafts
+
+    @property
     def grown(self) -> bool:
         """Dynamic or Hydra: the families that take the adaptive budget and chains."""
         return self.family in TREE_STRATEGIES

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HYDRA,
+from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, EAGLE, FIXED, HYDRA,
                            MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, StrategyError, StrategySpec, parse_strategy)
 from core.tree import fixed_tree, load_named_trees
 from core.tensor_thread import tensor_work
@@ -31,10 +31,12 @@ def machine_precision() -> str:
 UI_SPECS = (StrategySpec(AUTOREGRESSIVE), StrategySpec(FIXED), StrategySpec(DYNAMIC),
             StrategySpec(DYNAMIC, auto=True), StrategySpec(DYNAMIC, auto=True, lookup=True),
             StrategySpec(DYNAMIC, auto=True, lookup=True, store=True), StrategySpec(HYDRA),
-            StrategySpec(HYDRA, auto=True), StrategySpec(HYDRA, auto=True, lookup=True))
+            StrategySpec(HYDRA, auto=True), StrategySpec(HYDRA, auto=True, lookup=True), StrategySpec(EAGLE),
+            StrategySpec(EAGLE, auto=True), StrategySpec(EAGLE, auto=True, lookup=True))
 UI_STRATEGIES = tuple(spec.text for spec in UI_SPECS)
 AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY = UI_STRATEGIES[3:6]
 HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY = UI_STRATEGIES[7:9]
+EAGLE_STRATEGY, EAGLE_AUTO_STRATEGY, EAGLE_LOOKUP_STRATEGY = UI_STRATEGIES[9:12]
 STRATEGY_LABELS = {spec.text: spec.label for spec in UI_SPECS}
 STRATEGY_HELP = {
     UI_STRATEGIES[0]: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
@@ -51,6 +53,10 @@ STRATEGY_HELP = {
            "node's children depend on the node (`budget` nodes, `top-m` children per expanded node).",
     HYDRA_AUTO_STRATEGY: "The Hydra tree, sized every step by the same expected-tokens/s rule as dynamic (auto).",
     HYDRA_LOOKUP_STRATEGY: "The auto-sized Hydra tree plus the prompt-lookup chain (◆).",
+    EAGLE_STRATEGY: "The EAGLE draft layer grows the tree: one decoder layer reads the base model's own features "
+                    "(an early, the middle and the last layer) and drafts on its own outputs (`budget` nodes).",
+    EAGLE_AUTO_STRATEGY: "The EAGLE tree, sized every step by the same expected-tokens/s rule as dynamic (auto).",
+    EAGLE_LOOKUP_STRATEGY: "The auto-sized EAGLE tree plus the prompt-lookup chain (◆).",
 }
 CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
 CUSTOM_TREE_EXAMPLE = "e.g. [[0], [1], [0, 0]]"

@@ -20,12 +20,11 @@ from torch import nn
 from tqdm import tqdm
 
 from core.drafters.medusa import MedusaHeads, default_heads
-from core.drafters.grown import GrownTree
+from core.drafters.grown import GrownTree, accepted_depth, cut_grown
 from core.drafters.hydra import HYDRA_BEAM, HydraConfig, HydraHeads, grow_tree, load_hydra_heads
 from core.model import BaseModel, fast_bf16_batched
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate
-from core.tree import CandidateTree
 from offline.train import (Augment, Features, TrainConfig, TrainVocab, depth_vocabs, draft_coverage, draft_loss,
                            features_fingerprint, fit, frequency_vocab, parse_config, run_training, start_heads,
                            train_vocab)
@@ -161,20 +160,6 @@ def _top_ids(heads: HydraHeads, depth: int, hidden: torch.Tensor, path_embeds: t
     return projection.vocabulary_ids(torch.topk(projection.logits(states, depth), top, dim=-1).indices)  # [n, top]
 
 
-def _accepted_depth(grown: GrownTree, answer: list[int], start: int) -> int:
-    """How many of answer[start+1:] the grown tree's nodes match, following one path from the root."""
-    table = grown.token_table.tolist()
-    child = {(path[:-1], table[len(path) - 1][path[-1]]): path for path in grown.tree.paths}
-    path: tuple[int, ...] = ()
-    depth = 0
-    while start + depth + 1 < len(answer):
-        found = child.get((path, answer[start + depth + 1]))
-        if found is None:
-            break
-        path, depth = found, depth + 1
-    return depth
-
-
 @torch.inference_mode()
 def hydra_tokens_per_step(base: BaseModel, heads: HydraHeads, rows: list[dict], budgets=BUDGETS,
                           beam: int = BEAM, width: int = WIDTH) -> dict[str, float]:
@@ -193,18 +178,12 @@ def hydra_tokens_per_step(base: BaseModel, heads: HydraHeads, rows: list[dict], 
                     grown_at[i] = grow_tree(heads, embed, projection, hidden[i], answer[i], budget=max(budgets),
                                             width=width, beam=beam, depth=heads.config.num_heads)
                 grown = grown_at[i]
-                accepted = _accepted_depth(_cut(grown, budget), answer, i)
+                accepted = accepted_depth(cut_grown(grown, budget), answer, i)
                 step = min(accepted + 1, len(answer) - 1 - i)
                 steps, emitted, i = steps + 1, emitted + step, i + step
             totals[budget][0] += steps
             totals[budget][1] += emitted
     return {StrategySpec(family=HYDRA, budget=b).text: e / s for b, (s, e) in totals.items() if s}
-
-
-def _cut(grown: GrownTree, budget: int) -> GrownTree:
-    """The first `budget` nodes of a grown tree (the same growth: beam <= budget is not re-applied)."""
-    tree = CandidateTree(paths=grown.tree.paths[:budget], scores=grown.tree.scores[:budget], kind="hydra")
-    return GrownTree(tree=tree, token_table=grown.token_table, probs=grown.probs, token_ids=grown.token_ids)
 
 
 def hydra_report(base: BaseModel, heads: nn.Module, sets: dict[str, list[dict]]) -> dict:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# This round's benchmarks: both drafter families, alone and with prompt lookup, beside plain
+# This round's benchmarks: every drafter family, alone and with prompt lookup, beside plain
 # decoding on the lean forward and on transformers' forward (`ar@hf`: the engine before/after in one
 # run), transformers' own generate and its prompt lookup, on MT-Bench (every STRIDE-th prompt),
 # the second set and the collapse set, in the precision this machine decodes fastest in
@@ -17,7 +17,7 @@ REPEATS=${REPEATS:-1}
 STRIDE=${STRIDE:-8}
 SETS=${SETS:-"mtbench specmix collapse"}
 # round 8 measured the engine before/after (ar@hf, dynamic:auto@hf); STRATEGIES=... adds them back
-MAIN=${STRATEGIES:-ar,hf:greedy,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,hf:prompt_lookup}
+MAIN=${STRATEGIES:-ar,hf:greedy,dynamic:auto,dynamic:auto+lookup,hydra:auto,hydra:auto+lookup,eagle:auto,eagle:auto+lookup,hf:prompt_lookup}
 DEFAULT=$($PY -c "from core.model import default_precision; print(default_precision())")
 DTYPES=${DTYPES:-$DEFAULT}; [ "$DTYPES" = "$DEFAULT" ] && [ "$DEFAULT" != fp32 ] && DTYPES="$DEFAULT fp32"
 for DTYPE in $DTYPES; do

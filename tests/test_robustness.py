@@ -133,7 +133,8 @@ BAD_INPUTS = [
     ("start", PROMPT_A, {"max_new_tokens": None}, r"max new tokens must be a whole number, got None"),
     ("start", PROMPT_A, {"strategy": "beam"}, r"strategy must be one of ar, fixed, dynamic, "
                                               r"dynamic:auto, dynamic:auto\+lookup, dynamic:auto\+lookup\+store, hydra, "
-                                              r"hydra:auto, hydra:auto\+lookup, got 'beam'"),
+                                              r"hydra:auto, hydra:auto\+lookup, eagle, eagle:auto, eagle:auto\+lookup, "
+                                              r"got 'beam'"),
     ("start", PROMPT_A, {"precision": "fp8"}, r"precision must be one of fp32, bf16, gguf, got 'fp8'"),
     ("start", PROMPT_A, {"fixed_preset": "../../etc/passwd"}, r"unknown fixed tree '../../etc/passwd'"),
     ("start", PROMPT_A, {"compare_fixed": "yes"}, r"compare with the fixed tree must be true or false"),

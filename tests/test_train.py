@@ -192,3 +192,17 @@ def test_training_starts_from_trained_heads_or_fresh_and_refuses_other_settings(
     assert not all(torch.equal(w, trained.state_dict()[n]) for n, w in fresh.named_parameters())
     with pytest.raises(ValueError, match="other settings"):
         start_heads(build(**other), str(tmp_path / "trained"), load, fresh_vocab=torch.arange(20))
+
+
+def test_shipped_eagle_layer_loads_and_drafts_on_its_own_outputs(base_fp32, mt_bench_prompts):
+    """Guard against shipping a broken or mismatched EAGLE layer (random weights score about 0): fed
+    its own guesses (every state after depth 1 its own), the shipped layer scores .53 / .38 / .29 on
+    these four answers (.53 / .46 / .38 given the path)."""
+    from core.drafters.eagle import default_eagle
+    from offline.eagle_features import extract
+    from offline.train_eagle import depth_accuracy
+    layer = default_eagle()
+    assert layer is not None, "assets/eagle is not shipped"
+    features = extract(base_fp32, _held_out_rows(base_fp32, mt_bench_prompts))
+    own = depth_accuracy(layer, base_fp32, features, 3, own_guesses=True)["top1"]
+    assert own[0] > 0.45 and own[2] > 0.2, own

@@ -5,13 +5,13 @@ Where Medusa's and Hydra's heads read the last hidden state, the draft layer rea
 three of the base model's states at every position of the answer so far: the residual stream
 entering layer 2 (low), entering the middle layer (mid), and the final normed hidden state (high):
 
-    g_t   = Fuse([norm(low_t); norm(mid_t); norm(high_t)])          the base model's view of t
-    x_t   = In([g_t; e(x_{t+1})])                                     with the token that followed
-    s_t   = DecoderLayer(x_t | keys and values of the positions before t)   causal, RoPE
+    g_t   = Fuse([low_t; mid_t; high_t])                             the base model's view of t
+    s_t   = DecoderLayer(g_t, reading [norm(e(x_{t+1})); norm(g_t)] | the keys and values before t)
     logits of token t+2 = lm_head_draft(norm(s_t))                    the base's frozen lm_head rows
 
-and drafts beyond the first token by feeding its own output state back in place of the
-features the base model has not computed yet: depth d+1 reads (s of its parent, e(its own
+EAGLE-3's layer: queries, keys and values read the token's embedding beside the state, and the state
+is the residual stream. It drafts beyond the first token by feeding its own output state back in
+place of the features the base model has not computed yet: depth d+1 reads (s of its parent, e(its own
 token)) at position t+d and attends to the answer's cached keys plus its ancestors' draft keys.
 It predicts tokens directly (EAGLE-3 dropped EAGLE-1's feature regression), and it is trained
 with "training-time test": fed its own states for several steps (`offline.train_eagle`), so
@@ -102,12 +102,11 @@ class EagleLayer(nn.Module):
         super().__init__()
         self.config = config
         h, d = config.hidden_size, config.head_dim
-        self.feature_norms = nn.ModuleList(_RMSNorm(h, config.eps) for _ in range(3))
         self.fuse = nn.Linear(3 * h, h, bias=False)
-        self.inp = nn.Linear(2 * h, h, bias=False)
-        self.attn_norm, self.mlp_norm, self.out_norm = (_RMSNorm(h, config.eps) for _ in range(3))
-        self.q = nn.Linear(h, config.num_heads * d, bias=False)
-        self.kv = nn.Linear(h, 2 * config.kv_heads * d, bias=False)
+        self.embed_norm, self.attn_norm, self.mlp_norm, self.out_norm = (_RMSNorm(h, config.eps) for _ in range(4))
+        # queries, keys and values read [norm(token embedding); norm(state)]: 2H wide, as EAGLE-3's layer
+        self.q = nn.Linear(2 * h, config.num_heads * d, bias=False)
+        self.kv = nn.Linear(2 * h, 2 * config.kv_heads * d, bias=False)
         self.o = nn.Linear(config.num_heads * d, h, bias=False)
         self.gate_up = nn.Linear(h, 2 * config.intermediate, bias=False)
         self.down = nn.Linear(config.intermediate, h, bias=False)
@@ -118,12 +117,7 @@ class EagleLayer(nn.Module):
     # -- pieces -----------------------------------------------------------------------------------
     def fused(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., 3H] (low | mid | high) -> g [..., H]."""
-        parts = features.chunk(3, dim=-1)
-        return self.fuse(torch.cat([norm(p) for norm, p in zip(self.feature_norms, parts)], dim=-1))
-
-    def inputs(self, states: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        """What the layer reads at a position: a state (g, or a parent's output) and the token after it."""
-        return self.inp(torch.cat([states, token_embeds.to(states.dtype)], dim=-1))
+        return self.fuse(features)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., heads, n, d] rotated at positions [..., n] (the two-halves convention)."""
@@ -132,10 +126,12 @@ class EagleLayer(nn.Module):
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., n, H] -> q [..., heads, n, d], k and v [..., kv_heads, n, d] (q, k rotated)."""
+    def _qkv(self, states: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """states [..., n, H] (g, or a parent's output) and the embeddings of the tokens read with them
+        [..., n, H] -> q [..., heads, n, d], k and v [..., kv_heads, n, d] (q, k rotated)."""
         c = self.config
-        h = self.attn_norm(x)
+        h = torch.cat([self.embed_norm(token_embeds.to(states.dtype)), self.attn_norm(states)], dim=-1)  # [..., n, 2H]
         q = self.q(h).unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
         k, v = (part.unflatten(-1, (c.kv_heads, c.head_dim)).transpose(-3, -2)
                 for part in self.kv(h).chunk(2, dim=-1))
@@ -161,9 +157,9 @@ class EagleLayer(nn.Module):
         """Accepted positions (features [n, 3H], embeddings of the tokens after them [n, H]) after
         `cache` -> (their output states [n, H], the longer cache)."""
         start = cache.length if cache is not None else 0
-        x = self.inputs(self.fused(features), next_embeds)  # [n, H]
+        x = self.fused(features)  # [n, H]
         positions = torch.arange(start, start + x.shape[0], device=x.device)
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, next_embeds, positions)
         if cache is not None:
             k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [kvh, total, d]
         new, total = x.shape[0], k.shape[1]
@@ -177,9 +173,9 @@ class EagleLayer(nn.Module):
         """One depth of draft nodes: parent states [B, H], their tokens' embeddings [B, H], at
         position cache.length - 1 + depth; each sees the cache, the draft keys (k, v [kvh, M, d])
         `ancestors` [B, M] marks, and itself. Returns (states [B, H], keys, values [kvh, B, d])."""
-        x = self.inputs(parent_states, token_embeds)  # [B, H]
+        x = parent_states  # [B, H]
         positions = torch.full((x.shape[0],), cache.length - 1 + depth, device=x.device)
-        q, k, v = self._qkv(x, positions)  # [h, B, d], [kvh, B, d]
+        q, k, v = self._qkv(x, token_embeds, positions)  # [h, B, d], [kvh, B, d]
         keys = [cache.keys] + ([draft_keys[0]] if draft_keys is not None else [])
         values = [cache.values] + ([draft_keys[1]] if draft_keys is not None else [])
         batch = x.shape[0]
@@ -209,8 +205,8 @@ class EagleLayer(nn.Module):
         outputs, chain_k, chain_v = [], [], []
         base_k = base_v = None
         for step in range(1, steps + 1):
-            x = self.inputs(states, read_tokens(step, outputs[-1] if outputs else None))  # [B, T, H]
-            q, k, v = self._qkv(x, positions + step - 1)  # [B, h, T, d], [B, kvh, T, d]
+            x = states  # [B, T, H]
+            q, k, v = self._qkv(x, read_tokens(step, outputs[-1] if outputs else None), positions + step - 1)
             if step == 1:
                 base_k, base_v = self._grouped(k), self._grouped(v)
                 attended = F.scaled_dot_product_attention(q, base_k, base_v, attn_mask=allowed)
@@ -264,19 +260,19 @@ class _RMSNorm(nn.Module):
 
 def init_from_base(layer: EagleLayer, base_model: nn.Module) -> None:
     """Start the decoder part from the base model's last layer (its query, key, value and MLP input
-    maps) and the output norm from the base's final norm; the fusion starts by passing the high
-    feature alone, the input map the state alone (the token's part at zero) and the layer's output
-    maps at zero, so a fresh layer predicts what the base model did at t: a sane first loss."""
+    maps on the state's half, the token's half at zero) and the output norm from the base's final
+    norm; the fusion starts by passing the high feature alone and the layer's output maps at zero,
+    so a fresh layer predicts what the base model did at t: a sane first loss."""
     last = base_model.model.layers[-1]
     attn, mlp = last.self_attn, last.mlp
     size = layer.config.hidden_size
     with torch.no_grad():
         layer.fuse.weight.zero_()
         layer.fuse.weight[:, 2 * size:].copy_(torch.eye(size))
-        layer.inp.weight.zero_()
-        layer.inp.weight[:, :size].copy_(torch.eye(size))
-        layer.q.weight.copy_(attn.q_proj.weight)
-        layer.kv.weight.copy_(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))
+        layer.q.weight.zero_()
+        layer.q.weight[:, size:].copy_(attn.q_proj.weight)
+        layer.kv.weight.zero_()
+        layer.kv.weight[:, size:].copy_(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))
         layer.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         # the outputs of attention and MLP start at zero: a fresh layer passes its input through
         # (the base's last layer adds ~20x the input's RMS to a normed state: noise at step one)
@@ -382,7 +378,7 @@ def drafting_layer(layer: EagleLayer, base: BaseModel) -> EagleLayer:
     copies = _ON_KERNELS.setdefault(layer, {})
     if id(base) not in copies:
         twin = copy.deepcopy(layer)
-        for name in ("fuse", "inp", "q", "kv", "o", "gate_up", "down"):
+        for name in ("fuse", "q", "kv", "o", "gate_up", "down"):
             weight = getattr(layer, name).weight
             setattr(twin, name, _KernelLinear(base.engine.kernel_product(weight.detach().bfloat16())))
         copies[id(base)] = twin
