@@ -193,19 +193,24 @@ def test_gguf_blocks_are_the_fp32_weights_and_the_forward_is_the_same(shipped_mo
 @pytest.mark.parametrize("precision", ["fp32", "gguf", "bf16"])
 def test_every_strategy_equals_plain_greedy_on_the_shipped_model(precision, shipped_heads, shipped_hydra,
                                                                  mt_bench_prompts):
-    """Token for token, no near-tie allowance: fixed, dynamic (with lookup and the datastore) and
-    Hydra trees give plain greedy decoding's text in every precision."""
+    """Token for token, no near-tie allowance: fixed, dynamic (with lookup and the datastore), Hydra
+    and EAGLE trees give plain greedy decoding's text in every precision."""
     base = load_base_model(ModelConfig(dtype=precision))
     assert base.exact
+    from core.drafters.eagle import default_eagle
     from core.drafters.hydra import default_hydra_heads
     from core.drafters.medusa import default_heads
     heads = shipped_heads if precision != "bf16" else default_heads(576, 49152, dtype=torch.bfloat16)[0]
     hydra = shipped_hydra if precision != "bf16" else default_hydra_heads(dtype=torch.bfloat16)
+    eagle = default_eagle(dtype=base.dtype)
+    assert eagle is not None, "assets/eagle is missing"
     configs = [(heads, DecodeConfig(strategy="dynamic", budget=63, max_new_tokens=48)),
                (heads, DecodeConfig(strategy="fixed", max_new_tokens=48)),
                (heads, DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=10, store_tokens=8,
                                     max_new_tokens=48)),
-               (hydra, DecodeConfig(strategy="hydra", budget=63, max_new_tokens=48))]
+               (hydra, DecodeConfig(strategy="hydra", budget=63, max_new_tokens=48)),
+               (eagle, DecodeConfig(strategy="eagle", budget=63, max_new_tokens=48)),
+               (eagle, DecodeConfig(strategy="eagle", auto_budget=True, lookup_tokens=10, max_new_tokens=48))]
     for prompt in mt_bench_prompts[5:8]:
         ids = base.chat_ids(prompt)
         plain = decode(base, None, ids, DecodeConfig(strategy="autoregressive", max_new_tokens=48)).output_ids
