@@ -21,10 +21,11 @@ from tqdm import tqdm
 
 from core.drafters.eagle import eagle_taps
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+from offline.datagen import TEACHER_TOP
+from offline.train import padded_rows
 
 FEATURES_DIR = REPO_ROOT / "data" / "eagle"
 SHARD_ANSWERS = 256  # answers per shard (a stopped extraction loses at most one shard)
-TEACHER_TOP = 32
 
 
 @dataclass
@@ -64,13 +65,7 @@ def extract(base: BaseModel, rows: list[dict], batch_size: int = 8) -> FusedFeat
     parts = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [b, T]
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [b, T]
-        for i, seq in enumerate(seqs):
-            ids[i, :len(seq)] = torch.tensor(seq)
-            mask[i, :len(seq)] = 1
+        ids, mask = padded_rows(chunk)  # [b, T] each
         out = base.model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         low, mid = (out.hidden_states[t] for t in eagle_taps(len(out.hidden_states) - 1))  # [b, T, H] each
         for i, row in enumerate(chunk):

@@ -132,6 +132,18 @@ def concat_features(parts: list[Features]) -> Features:
     return Features(**{name: torch.cat([getattr(p, name) for p in parts]) for name in Features.__dataclass_fields__})
 
 
+def padded_rows(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's prompt + answer ids, right padded: ids and attention mask, [b, T] long each."""
+    seqs = [r["prompt_ids"] + r["answer_ids"] for r in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [b, T]
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [b, T]
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
 def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8, bf16: bool = False) -> Features:
     """One batched forward of the frozen base over each prompt + answer (right padded); `bf16`:
@@ -144,13 +156,7 @@ def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8, bf1
         chunk = [r for r in rows[start:start + batch_size] if len(r["answer_ids"]) >= 2]
         if not chunk:
             continue
-        seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [b, T]
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [b, T]
-        for i, seq in enumerate(seqs):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
+        ids, mask = padded_rows(chunk)  # [b, T] each
         with fast:
             states = base.model.model(input_ids=ids.to(base.device), attention_mask=mask.to(base.device)).last_hidden_state
         for i, row in enumerate(chunk):
@@ -245,7 +251,8 @@ def train_vocab(lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None, bf
 
 def draft_loss(states: torch.Tensor, vocab: TrainVocab, features: Features, target: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft cross-entropy of `states` [b, H] against the teacher at positions `target` [b],
+    """Soft cross-entropy of `states` [b, H] against the teacher at positions `target` [b] (of any
+    features with `teacher_ids`, `teacher_probs` and `tokens`: the heads' or the EAGLE layer's),
     over the draft vocabulary (a third of the lm_head rows: a third of the cost); teacher mass
     on undrafted tokens is dropped and renormalised, never mapped to another id. Returns the
     mean loss and, per row, whether the top-1 draft token is the model's own token there."""

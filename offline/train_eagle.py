@@ -22,7 +22,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from core.drafters.eagle import (EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleConfig, EagleLayer, eagle_taps,
@@ -34,7 +33,7 @@ from core.drafters.medusa import DraftProjection
 from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, load_base_model
 from offline.eagle_features import FusedFeatures, extract, load_features
-from offline.train import (CHECKPOINTS, TrainConfig, TrainVocab, fit, frequency_vocab, held_out_sets, parse_config,
+from offline.train import (CHECKPOINTS, TrainConfig, TrainVocab, draft_loss, fit, frequency_vocab, held_out_sets, parse_config,
                            repo_path, train_vocab)
 
 DEFAULTS = TrainConfig(data="assets/distill/distill.jsonl.gz,assets/distill/distill_clean.jsonl.gz",
@@ -58,19 +57,6 @@ def answer_batch(features: FusedFeatures, starts: torch.Tensor, lengths: torch.T
     return torch.cat([low, mid, high], dim=-1), rows, lens
 
 
-def soft_loss(states: torch.Tensor, vocab: TrainVocab, features: FusedFeatures, target: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft cross-entropy of states [b, H] against the teacher's top-32 at rows `target` [b] over the
-    draft vocabulary (undrafted teacher mass dropped, renormalised); per row, top-1 hit."""
-    logits = F.linear(states, vocab.weight)  # [b, V']
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    teacher = vocab.index_of[features.teacher_ids[target].long()]  # [b, 32], -1: not drafted
-    probs = features.teacher_probs[target].float() * (teacher >= 0)
-    probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-9)
-    loss = -(probs * log_probs.gather(1, teacher.clamp_min(0))).sum(dim=-1).mean()
-    return loss, logits.argmax(dim=-1) == vocab.index_of[features.tokens[target]]
-
-
 def ttt_loss(layer: EagleLayer, embed: torch.Tensor, vocab: TrainVocab, features: FusedFeatures,
              starts: torch.Tensor, lengths: torch.Tensor, answers: torch.Tensor, steps: int, decay: float
              ) -> tuple[torch.Tensor, list[float]]:
@@ -89,7 +75,7 @@ def ttt_loss(layer: EagleLayer, embed: torch.Tensor, vocab: TrainVocab, features
         # judges each step (an unbiased estimate of the full loss, half the work)
         valid = valid & (torch.rand(valid.shape) < LOSS_SHARE)
         target = rows[:, step:step + width][valid]  # [b] the row of answer[t + step]
-        loss, hits = soft_loss(layer.draft_states(states[valid]), vocab, features, target)
+        loss, hits = draft_loss(layer.draft_states(states[valid]), vocab, features, target)
         total = total + decay ** (step - 1) * loss
         accuracy.append(float(hits.float().mean()))
     return total, accuracy

@@ -393,12 +393,10 @@ class EagleDrafter:
     reads_history = True  # the answer's features (`DraftContext.features`)
 
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
-        from core.drafters.interface import heads_for_drafting  # interface imports the other families
+        from core.drafters.interface import drafting_embedding, heads_for_drafting  # it imports the other families
         drafting, self.projection, self.dtype = heads_for_drafting(layer, base)
         self.layer = drafting_layer(drafting, base)
-        embed = base.model.get_input_embeddings()
-        self.embed = embed if embed.weight.dtype == self.dtype else nn.Embedding.from_pretrained(
-            embed.weight.to(self.dtype), freeze=True)
+        self.embed = drafting_embedding(base, self.dtype)
         self.taps = layer.config.taps
         self.width, self.beam, self.depth, self.budget = width, beam, min(depth, EAGLE_DEPTH), budget
         self.cache: EagleCache | None = None  # immutable: copy.copy of the drafter forks it safely

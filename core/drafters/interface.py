@@ -69,6 +69,23 @@ def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel
     return drafting, projection, dtype
 
 
+def drafting_embedding(base: BaseModel, dtype: torch.dtype) -> nn.Embedding:
+    """The base model's token embedding in the drafting precision (a copy only when it differs):
+    what drafters that read their path's tokens embed them with."""
+    embed = base.model.get_input_embeddings()
+    if embed.weight.dtype == dtype:
+        return embed
+    return nn.Embedding.from_pretrained(embed.weight.to(dtype), freeze=True)
+
+
+def _check_heads(heads: object, kind: type, name: str, config) -> None:
+    """ValueError unless `heads` are `kind` with at least the `config.depth` heads a session asks for."""
+    if not isinstance(heads, kind):
+        raise ValueError(f"strategy {config.strategy!r} needs {name}")
+    if config.depth > heads.config.num_heads:
+        raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+
+
 @dataclass(frozen=True)
 class DraftContext:
     """What a drafter may read at the start of a step."""
@@ -130,10 +147,7 @@ class HeadsDrafter:
     @classmethod
     def for_session(cls, heads: object, base: BaseModel, config) -> "HeadsDrafter":
         """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`)."""
-        if not isinstance(heads, MedusaHeads):
-            raise ValueError(f"strategy {config.strategy!r} needs Medusa heads")
-        if config.depth > heads.config.num_heads:
-            raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+        _check_heads(heads, MedusaHeads, "Medusa heads", config)
         fixed = config.resolve_fixed_tree() if config.strategy == "fixed" or config.compare_fixed else None
         width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
@@ -157,10 +171,7 @@ class HydraDrafter:
 
     def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
-        embed = base.model.get_input_embeddings()
-        # the path embeddings in the drafting precision too (a copy only when it differs)
-        self.embed = embed if embed.weight.dtype == self.dtype else nn.Embedding.from_pretrained(
-            embed.weight.to(self.dtype), freeze=True)
+        self.embed = drafting_embedding(base, self.dtype)
         self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
         # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:
         # a cache is never changed in place)
@@ -171,10 +182,7 @@ class HydraDrafter:
     @classmethod
     def for_session(cls, heads: object, base: BaseModel, config) -> "HydraDrafter":
         """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`)."""
-        if not isinstance(heads, HydraHeads):
-            raise ValueError(f"strategy {config.strategy!r} needs Hydra heads")
-        if config.depth > heads.config.num_heads:
-            raise ValueError(f"depth {config.depth} exceeds the {heads.config.num_heads} heads loaded")
+        _check_heads(heads, HydraHeads, "Hydra heads", config)
         return cls(heads, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)
 
     @property
