@@ -1,7 +1,8 @@
 """Training the EAGLE-style draft layer with training-time test.
 
     python -m offline.eagle_features          # once: the three states per answer position (data/eagle/)
-    python -m offline.train_eagle --out assets/eagle --ttt-steps 3
+    python -m offline.train_eagle --out assets/eagle --num-heads 3   # num-heads: the training-time-test steps
+    python -m offline.train_eagle --init assets/eagle --epochs 1   # continue the shipped layer on more data
 
 Batches are whole answers (the layer attends over the answer so far). Step 1 reads the base
 model's fused features and predicts the token after next; steps 2..`ttt_steps` read the layer's
@@ -25,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from core.drafters.eagle import (EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleConfig, EagleLayer, eagle_taps,
-                                 grow_eagle_tree, init_from_base)
+                                 grow_eagle_tree, init_from_base, load_eagle)
 from core.drafters.grown import GrownTree, accepted_depth, cut_grown
 from core.families import EAGLE
 from core.strategy import StrategySpec
@@ -34,7 +35,7 @@ from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, load_base_model
 from offline.eagle_features import FusedFeatures, extract, load_features
 from offline.train import (CHECKPOINTS, TrainConfig, TrainVocab, draft_loss, fit, frequency_vocab, held_out_sets, parse_config,
-                           repo_path, train_vocab)
+                           repo_path, start_heads, train_vocab)
 
 DEFAULTS = TrainConfig(data="assets/distill/distill.jsonl.gz,assets/distill/distill_clean.jsonl.gz",
                        out="assets/eagle", family="eagle", batch_size=16, lr=1e-3, decay=0.8, draft_vocab=8192,
@@ -102,7 +103,7 @@ def train_eagle(base: BaseModel, features: FusedFeatures, config: TrainConfig, c
         draft_vocab_size=min(config.draft_vocab, vocab_size), taps=eagle_taps(model_config.num_hidden_layers),
         rope_theta=float(model_config.rope_parameters["rope_theta"]), eps=float(model_config.rms_norm_eps)))
     init_from_base(layer, base.model)
-    layer.draft_vocab.copy_(frequency_vocab(features.tokens, layer.config.draft_vocab_size, vocab_size))
+    start_heads(layer, config.init, load_eagle, frequency_vocab(features.tokens, layer.config.draft_vocab_size, vocab_size))
     vocab = train_vocab(base.lm_head.weight, layer.draft_vocab)
     embed = base.model.get_input_embeddings().weight.detach().float()
     starts = features.starts

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from core.drafters.eagle import EagleConfig, EagleLayer, load_eagle
 from core.drafters.hydra import HydraConfig, HydraHeads, load_hydra_heads
 from core.drafters.medusa import HeadsConfig, MedusaHeads, load_heads
 from offline.train import (Augment, Features, TrainConfig, calibrated_choices, depth_vocabs, extract_features,
@@ -173,6 +174,9 @@ def test_augment_is_off_at_zero_and_corrupts_by_the_amounts_asked():
      {"num_layers": 2}),
     (lambda **kw: HydraHeads(HydraConfig(hidden_size=16, vocab_size=50, draft_vocab_size=20, prefix_layer=True,
                                          prefix_heads=2, prefix_mlp=32, **kw)), load_hydra_heads, {"num_heads": 3}),
+    (lambda **kw: EagleLayer(EagleConfig(**{"hidden_size": 16, "num_heads": 2, "kv_heads": 1, "head_dim": 8,
+                                            "intermediate": 32, "vocab_size": 50, "draft_vocab_size": 20, **kw})),
+     load_eagle, {"intermediate": 48}),
 ])
 def test_training_starts_from_trained_heads_or_fresh_and_refuses_other_settings(build, load, other, tmp_path):
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from core.drafters.grown import GrownNode, GrownTree, best_first
+from core.drafters.layers import RMSNorm
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
 
@@ -103,7 +104,7 @@ class EagleLayer(nn.Module):
         self.config = config
         h, d = config.hidden_size, config.head_dim
         self.fuse = nn.Linear(3 * h, h, bias=False)
-        self.embed_norm, self.attn_norm, self.mlp_norm, self.out_norm = (_RMSNorm(h, config.eps) for _ in range(4))
+        self.embed_norm, self.attn_norm, self.mlp_norm, self.out_norm = (RMSNorm(h, config.eps) for _ in range(4))
         # queries, keys and values read [norm(token embedding); norm(state)]: 2H wide, as EAGLE-3's layer
         self.q = nn.Linear(2 * h, config.num_heads * d, bias=False)
         self.kv = nn.Linear(2 * h, 2 * config.kv_heads * d, bias=False)
@@ -246,16 +247,6 @@ def _chain_attention(q: torch.Tensor, base_k: torch.Tensor, base_v: torch.Tensor
     for i, v in enumerate(chain_v):
         out = out + weights[..., length + i, None] * v
     return out
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
 
 
 def init_from_base(layer: EagleLayer, base_model: nn.Module) -> None:

@@ -43,6 +43,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from core.drafters.layers import RMSNorm
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, best_first
@@ -86,20 +87,6 @@ class HydraHead(nn.Module):
         """hidden [..., H], path_embeds [..., k, H] -> [..., H]."""
         mixed = torch.cat([hidden, path_embeds.flatten(-2)], dim=-1)  # [..., (k+1)H]
         return self.blocks(hidden + self.mix(mixed))
-
-
-class RMSNorm(nn.Module):
-    """x / RMS(x) * weight, computed in fp32."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., H]."""
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.float() * scale).to(x.dtype) * self.weight
 
 
 @dataclass(frozen=True)
