@@ -33,7 +33,7 @@ import gradio as gr
 
 import labstate
 from labstate import replay
-from page import benchmark_tab, header, live_controls, replay_controls
+from page import header, live_controls, replay_controls, settings_event, view_panel
 from viz.view import VIEW_FIELDS, View, build_view, empty_view
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -130,11 +130,6 @@ def _settings(values: dict[str, Any]) -> tuple[str, labstate.Settings, str]:
     return prompt, labstate.parse_settings(values), note
 
 
-def _parameters(arguments: dict[str, Any]) -> dict[str, Any]:
-    """A settings handler's own parameters (the prompt and every setting, by name), without the request."""
-    return {name: arguments[name] for name in ("prompt", *labstate.SETTING_NAMES)}
-
-
 def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable) -> tuple:
     """One settings event: parse, then `act(lab, prompt, settings)` -> message, then draw the run."""
     def action() -> tuple:
@@ -147,36 +142,21 @@ def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable)
     return _guarded(request, action)
 
 
-def on_start(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"], top_m: int = D["top_m"],
-             depth: int = D["depth"], fixed_preset: str = D["fixed_preset"], rule: str = D["rule"],
-             temperature: float = D["temperature"], precision: str = D["precision"],
-             max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
-             custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
-             request: gr.Request = None) -> tuple:
+@settings_event(D)
+def on_start(values: dict[str, Any], request: gr.Request | None) -> tuple:
     """Start (or restart) decoding `prompt`: prefill only."""
-    values = _parameters(locals())
     return _decoding(request, values, labstate.start_fresh)
 
 
-def on_step(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"], top_m: int = D["top_m"],
-            depth: int = D["depth"], fixed_preset: str = D["fixed_preset"], rule: str = D["rule"],
-            temperature: float = D["temperature"], precision: str = D["precision"],
-            max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
-            custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
-            clicked_at: float | None = None, request: gr.Request = None) -> tuple:
+@settings_event(D, "clicked_at")
+def on_step(values: dict[str, Any], request: gr.Request | None, clicked_at: float | None) -> tuple:
     """One decoding step (starting a run first when there is none). A step clicked before Stop is dropped."""
-    values = _parameters(locals())
     return _decoding(request, values, functools.partial(labstate.step_once, clicked_at=clicked_at))
 
 
-def on_run(prompt: str, strategy: str = D["strategy"], budget: int = D["budget"], top_m: int = D["top_m"],
-           depth: int = D["depth"], fixed_preset: str = D["fixed_preset"], rule: str = D["rule"],
-           temperature: float = D["temperature"], precision: str = D["precision"],
-           max_new_tokens: int = D["max_new_tokens"], compare_fixed: bool = D["compare_fixed"],
-           custom_tree: str = D["custom_tree"], compare_heads: bool = D["compare_heads"],
-           clicked_at: float | None = None, request: gr.Request = None) -> Iterator[tuple]:
+@settings_event(D, "clicked_at")
+def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float | None) -> Iterator[tuple]:
     """Step to the end, streaming every step; stops between steps on Stop, Start, Reset or eviction."""
-    values = _parameters(locals())
     key = _session_key(request)
     try:
         prompt, settings, note = _settings(values)
@@ -346,45 +326,6 @@ def _settings_panel() -> list[gr.components.Component]:
     return [panel[name] for name in labstate.SETTING_NAMES]
 
 
-def _view_panel() -> dict[str, gr.components.Component]:
-    """The outputs every decoding and replay event redraws, by name (`VIEW_OUTPUT_NAMES`)."""
-    blank = empty_view()
-    view = {"status": gr.Markdown(blank.status, elem_id="status", label="run status"),
-            "stats": gr.HTML(blank.stats, elem_id="stats", label="stats"),
-            "text": gr.HTML(blank.text, elem_id="gen-text", label="text"),
-            "step_slider": gr.Slider(1, 2, value=1, step=1, label="Revisit a step (after the first step)",
-                                     interactive=False, visible=False, elem_id="step-slider")}
-    with gr.Tabs():
-        with gr.Tab("Trees: dynamic vs fixed"):
-            with gr.Row(equal_height=False):  # what to notice beside the tree (below it when narrow)
-                view["tree"] = gr.Plot(blank.tree, show_label=False, elem_id="tree-plot", label="tree", scale=4,
-                                       min_width=520)
-                view["notice"] = gr.Markdown(blank.notice, elem_id="notice", elem_classes=["notice"], min_width=220,
-                                             visible=False)
-            with gr.Accordion("Verification: why the path stopped there", open=True):
-                view["verify"] = gr.HTML(blank.verify, elem_id="verify", label="verify")
-            view["tree_compare"] = gr.Plot(blank.tree_compare, show_label=False, elem_id="tree-compare-plot",
-                                           label="tree_compare")
-            view["tree_rival"] = gr.Plot(blank.tree_rival, show_label=False, elem_id="tree-rival-plot",
-                                         label="tree_rival", visible=False)
-            view["heads"] = gr.HTML(blank.heads, elem_id="heads", label="heads")
-        with gr.Tab("Attention mask"):
-            view["mask"] = gr.Plot(blank.mask, show_label=False, elem_id="mask-plot", label="mask")
-        with gr.Tab("Timing"):
-            for name, elem_id in (("phases", "phase-plot"), ("accepted", "accepted-plot"),
-                                  ("cumulative", "cumulative-plot")):
-                view[name] = gr.Plot(getattr(blank, name), show_label=False, elem_id=elem_id, label=name)
-        with gr.Tab("Benchmarks"):
-            benchmark_tab(RESULTS)
-        with gr.Tab("Text & summary"):
-            view["plain_text"] = gr.Textbox(label="Decoded text", lines=8, interactive=False, buttons=["copy"],
-                                            elem_id="plain-text")
-            view["summary"] = gr.JSON(label="Run summary", elem_id="summary")
-    with gr.Accordion("How it works", open=False):
-        gr.Markdown((ASSETS / "how_it_works.md").read_text())
-    return view
-
-
 def _wire_live(controls: dict, view: list, shown_replay: gr.State) -> None:
     """The live decoding events (API names start, step, run, stop, reset, check, view, trace)."""
     for name in ("start", "step", "run", "stop", "reset", "check"):  # the page shows the live run again
@@ -427,7 +368,7 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "") -> gr.Blocks:
                 replay_box = replay_controls(replay.gallery(), open_=replay_only)
                 controls = None if replay_only else live_controls(DEFAULT_PROMPT, _settings_panel)
             with gr.Column(scale=3, min_width=600):
-                panel = _view_panel()
+                panel = view_panel(RESULTS, ASSETS / "how_it_works.md")
         view = [panel[name] for name in VIEW_OUTPUT_NAMES]
         _wire_replay(replay_box, view)
         if replay_only:

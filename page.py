@@ -1,16 +1,20 @@
-"""The page's components: header, live controls, settings panel and the replay box (no events here).
+"""The page's components: header, live controls, settings panel, the view's tabs and the replay box
+(no events here), and the API shape of the settings events (`settings_event`).
 
 app.py wires them. Each builder returns its components by name.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 
 import labstate
+from viz.view import empty_view
 from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, newest_round, result_order,
                             result_round, step_trace_figure, stepped_strategies)
 from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
@@ -160,3 +164,75 @@ def benchmark_tab(results: Path) -> None:
             result = json.loads(path.read_text())
             gr.Markdown(f"{bench_heading(result)} ({result_round(path.stem)})\n\n{markdown_table(result)}",
                         elem_classes=["bench-table"])
+
+
+def view_panel(results: Path, how_it_works: Path) -> dict[str, gr.components.Component]:
+    """The outputs every decoding and replay event redraws, by name (`viz.view.VIEW_FIELDS`), in their
+    tabs, then the benchmark tab (`results`) and How it works (the Markdown file `how_it_works`)."""
+    blank = empty_view()
+    view = {"status": gr.Markdown(blank.status, elem_id="status", label="run status"),
+            "stats": gr.HTML(blank.stats, elem_id="stats", label="stats"),
+            "text": gr.HTML(blank.text, elem_id="gen-text", label="text"),
+            "step_slider": gr.Slider(1, 2, value=1, step=1, label="Revisit a step (after the first step)",
+                                     interactive=False, visible=False, elem_id="step-slider")}
+    with gr.Tabs():
+        with gr.Tab("Trees: dynamic vs fixed"):
+            with gr.Row(equal_height=False):  # what to notice beside the tree (below it when narrow)
+                view["tree"] = gr.Plot(blank.tree, show_label=False, elem_id="tree-plot", label="tree", scale=4,
+                                       min_width=520)
+                view["notice"] = gr.Markdown(blank.notice, elem_id="notice", elem_classes=["notice"], min_width=220,
+                                             visible=False)
+            with gr.Accordion("Verification: why the path stopped there", open=True):
+                view["verify"] = gr.HTML(blank.verify, elem_id="verify", label="verify")
+            view["tree_compare"] = gr.Plot(blank.tree_compare, show_label=False, elem_id="tree-compare-plot",
+                                           label="tree_compare")
+            view["tree_rival"] = gr.Plot(blank.tree_rival, show_label=False, elem_id="tree-rival-plot",
+                                         label="tree_rival", visible=False)
+            view["heads"] = gr.HTML(blank.heads, elem_id="heads", label="heads")
+        with gr.Tab("Attention mask"):
+            view["mask"] = gr.Plot(blank.mask, show_label=False, elem_id="mask-plot", label="mask")
+        with gr.Tab("Timing"):
+            for name, elem_id in (("phases", "phase-plot"), ("accepted", "accepted-plot"),
+                                  ("cumulative", "cumulative-plot")):
+                view[name] = gr.Plot(getattr(blank, name), show_label=False, elem_id=elem_id, label=name)
+        with gr.Tab("Benchmarks"):
+            benchmark_tab(results)
+        with gr.Tab("Text & summary"):
+            view["plain_text"] = gr.Textbox(label="Decoded text", lines=8, interactive=False, buttons=["copy"],
+                                            elem_id="plain-text")
+            view["summary"] = gr.JSON(label="Run summary", elem_id="summary")
+    with gr.Accordion("How it works", open=False):
+        gr.Markdown(how_it_works.read_text())
+    return view
+
+
+def settings_event(defaults: dict[str, Any], *extra: str) -> Callable[[Callable], Callable]:
+    """`handler(values, request=..., **extra)` as an event handler whose signature (the API's parameters
+    and their defaults) is the prompt, every setting by name (`defaults`: the page's), then `extra`,
+    then the request Gradio injects; `values` holds the prompt and the settings by name."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    signature = inspect.Signature([inspect.Parameter("prompt", kind, annotation=str)]
+                                  + [inspect.Parameter(name, kind, default=defaults[name]) for name in labstate.SETTING_NAMES]
+                                  + [inspect.Parameter(name, kind, default=None) for name in (*extra, "request")])
+
+    def wrap(handler: Callable) -> Callable:
+        def split(args: tuple, kwargs: dict) -> tuple[dict, dict]:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            return values, {name: values.pop(name) for name in (*extra, "request")}
+
+        def event(*args: Any, **kwargs: Any) -> tuple:
+            values, others = split(args, kwargs)
+            return handler(values, **others)
+
+        def streamed(*args: Any, **kwargs: Any) -> Iterator[tuple]:  # Gradio streams a generator function
+            values, others = split(args, kwargs)
+            yield from handler(values, **others)
+
+        chosen = streamed if inspect.isgeneratorfunction(handler) else event
+        functools.update_wrapper(chosen, handler, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+        chosen.__signature__ = signature
+        chosen.__annotations__ = {"request": gr.Request}  # where Gradio injects the request
+        return chosen
+    return wrap

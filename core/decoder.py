@@ -1,6 +1,6 @@
 """The decoder: one stepping API for autoregressive, fixed-tree and dynamic-tree decoding.
 
-    session = start_session(base, heads, prompt, DecodeConfig(strategy="dynamic"))
+    session = start_session(base, heads, prompt, DecodeConfig(spec="dynamic:auto+lookup"))
     while not session.finished:
         record = session.step()      # a StepRecord: everything a viewer needs
 
@@ -25,19 +25,19 @@ import torch
 from torch import nn
 
 from core.accept import AcceptConfig, accept, rows_to_project
-from core.budget.controller import AutoBudget
+from core.budget.controller import AutoBudget, FixedBudget, NodeBudget, StepPlan
 from core.drafters.datastore import StoreDrafter, TokenStore, default_store
-from core.drafters.interface import Chain, DraftContext, Drafter, HeadProposal, LookupDrafter
-from core.drafters.grown import GrownTree
+from core.drafters.interface import Chain, DraftContext, Drafter, LookupDrafter, Proposal
 from core.drafters.hydra import HYDRA_BEAM
 from core.families import family
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import PhaseTimes, StepRecord, TreeOutcome
-from core.strategy import (AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, FIXED, HF, LOOKUP,
-                           LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS,
-                           STRATEGIES, TREE_STRATEGIES, StrategyError, StrategySpec)
+from core.strategy import (AUTOREGRESSIVE, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DEFAULT_NEW_TOKENS, DEFAULT_TOP_M,
+                           DYNAMIC, FIXED, HF, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS,
+                           MAX_DEPTH, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS, STRATEGIES, StrategyError, StrategySpec,
+                           check_int, parse_strategy)
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
@@ -49,53 +49,66 @@ from core.verify import VerifyOutput, forward_tokens, verify_tree
 class DecodeConfig:
     """Everything that decides how a prompt is decoded.
 
-    strategy: autoregressive | fixed | dynamic | hydra. budget: non-root nodes of the dynamic (or
-    Hydra) tree (the upper bound when auto_budget picks the size each step from the verify-cost
-    profile). top_m: candidates kept per head (Hydra: children per expanded node). hydra_beam:
-    nodes expanded per depth when Hydra heads grow the tree. depth: heads used (tree depth). fixed_tree: a shipped
-    tree name or an explicit list of rank paths. compare_fixed: also verify the fixed tree at
-    every dynamic step (for the side-by-side view; costs a second forward, never committed).
-    lookup_tokens: dynamic or hydra; when > 0, a prompt-lookup chain of up to this many tokens joins
-    the tree each step (`core.drafters.lookup`), and steps that skip the heads still verify it;
-    `lookup_chains` > 1 adds what followed the same n-gram elsewhere as further branches.
-    store_tokens: dynamic or hydra; when > 0, the datastore of the model's own answers proposes up to
-    `store_branches` continuations of up to this many tokens as branches (`core.drafters.datastore`).
+    spec: the strategy (`core.strategy`'s grammar, as text or a `StrategySpec`): the family, its node
+    budget (the cap when `auto` sizes the tree each step from the verify-cost profile), `+lookup`
+    (a prompt-lookup chain of up to `lookup_tokens` tokens joins each tree, `core.drafters.lookup`;
+    `lookup_chains` > 1 adds what followed the same n-gram elsewhere as further branches) and
+    `+store` (the datastore of the model's own answers proposes up to `store_branches`
+    continuations of up to `store_tokens` tokens, `core.drafters.datastore`); a fixed spec's tree
+    name becomes `fixed_tree`. top_m: candidates kept per head (grown trees: children per expanded
+    node). hydra_beam: nodes expanded per depth when a tree is grown. depth: heads used (tree
+    depth). fixed_tree: a shipped tree name or an explicit list of rank paths. compare_fixed: also
+    verify the fixed tree at every dynamic step (for the side-by-side view; costs a second
+    forward, never committed). record_texts: the records carry what the page draws (node texts,
+    and the drafters' whole proposal where a step verified a part of it); off in benchmarks.
     """
 
-    strategy: str = DYNAMIC
-    budget: int = DEFAULT_BUDGET
-    top_m: int = 32
-    depth: int = 4
+    spec: StrategySpec | str = DYNAMIC
+    top_m: int = DEFAULT_TOP_M
+    depth: int = DEFAULT_DEPTH
     fixed_tree: str | tuple = DEFAULT_FIXED_TREE
     accept: AcceptConfig = AcceptConfig()
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_NEW_TOKENS
     seed: int = 0
     compare_fixed: bool = False
     compare_rival: bool = False  # also verify the other heads family's tree at each heads step (UI only)
     record_texts: bool = True
-    auto_budget: bool = False  # dynamic:auto: per step, the node count (<= budget) maximising tokens/s
-    lookup_tokens: int = 0
+    lookup_tokens: int = LOOKUP_TOKENS
     lookup_chains: int = 1
-    store_tokens: int = 0
+    store_tokens: int = STORE_TOKENS
     store_branches: int = 3
     hydra_beam: int = HYDRA_BEAM
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        _check_int("budget", self.budget, 1, MAX_BUDGET)
-        _check_int("top_m", self.top_m, 1, MAX_TOP_M)
-        _check_int("depth", self.depth, 1, 16)
-        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-        _check_int("lookup_tokens", self.lookup_tokens, 0, MAX_CHAIN_TOKENS)
-        _check_int("lookup_chains", self.lookup_chains, 1, MAX_CHAINS)
-        _check_int("store_tokens", self.store_tokens, 0, MAX_CHAIN_TOKENS)
-        _check_int("store_branches", self.store_branches, 1, MAX_CHAINS)
-        _check_int("hydra_beam", self.hydra_beam, 1, MAX_TOP_M)
-        if self.lookup_tokens and self.strategy not in TREE_STRATEGIES:
-            raise ValueError("a prompt-lookup branch needs the dynamic or hydra strategy")
-        if self.store_tokens and self.strategy not in TREE_STRATEGIES:
-            raise ValueError("datastore branches need the dynamic or hydra strategy")
+        spec = parse_strategy(self.spec) if isinstance(self.spec, str) else self.spec
+        if not isinstance(spec, StrategySpec) or spec.family not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES} (core.strategy's grammar), got {self.spec!r}")
+        object.__setattr__(self, "spec", spec)
+        if spec.tree:  # a fixed spec's tree, checked now rather than mid-run
+            object.__setattr__(self, "fixed_tree", _fixed_tree_of(spec.tree))
+        check_int("top_m", self.top_m, 1, MAX_TOP_M)
+        check_int("depth", self.depth, 1, MAX_DEPTH)
+        check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+        check_int("lookup_tokens", self.lookup_tokens, 1, MAX_CHAIN_TOKENS)
+        check_int("lookup_chains", self.lookup_chains, 1, MAX_CHAINS)
+        check_int("store_tokens", self.store_tokens, 1, MAX_CHAIN_TOKENS)
+        check_int("store_branches", self.store_branches, 1, MAX_CHAINS)
+        check_int("hydra_beam", self.hydra_beam, 1, MAX_TOP_M)
+
+    @property
+    def strategy(self) -> str:
+        """The family decoded (`core.families`): what `StepRecord.strategy` names a tree step."""
+        return self.spec.family
+
+    @property
+    def budget(self) -> int:
+        """Non-root nodes of a sized family's tree (the cap under `auto`)."""
+        return self.spec.node_budget
+
+    @property
+    def auto_budget(self) -> bool:
+        """The tree's size is chosen each step (`core.budget.controller`)."""
+        return self.spec.auto
 
     def resolve_fixed_tree(self) -> CandidateTree:
         if isinstance(self.fixed_tree, str):
@@ -104,19 +117,11 @@ class DecodeConfig:
 
 
 def strategy_config(spec: StrategySpec, base_config: DecodeConfig | None = None) -> DecodeConfig:
-    """`base_config` decoding the way `spec` says (family, budget, auto, chains, fixed tree).
-
-    The spec's forward (`@lean` / `@hf`) is the caller's to apply; `hf:*` peers are not ours to decode.
-    """
-    base_config = base_config if base_config is not None else DecodeConfig()
+    """`base_config` decoding the way `spec` says. The spec's forward (`@lean` / `@hf`) is the
+    caller's to apply; `hf:*` peers are not ours to decode."""
     if spec.family == HF:
         raise StrategyError(f"{spec.text} runs transformers' generate, not a DecodeConfig")
-    if spec.family == AUTOREGRESSIVE:
-        return replace(base_config, strategy=AUTOREGRESSIVE)
-    if spec.family == FIXED:
-        return replace(base_config, strategy=FIXED, fixed_tree=_fixed_tree_of(spec.tree or DEFAULT_FIXED_TREE))
-    return replace(base_config, strategy=spec.family, budget=spec.node_budget, auto_budget=spec.auto,
-                   lookup_tokens=LOOKUP_TOKENS if spec.lookup else 0, store_tokens=STORE_TOKENS if spec.store else 0)
+    return replace(base_config if base_config is not None else DecodeConfig(), spec=spec)
 
 
 def _fixed_tree_of(name: str) -> str | tuple[tuple[int, ...], ...]:
@@ -130,13 +135,6 @@ def _fixed_tree_of(name: str) -> str | tuple[tuple[int, ...], ...]:
 
 
 T = TypeVar("T")
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
 
 
 def _clock(device: torch.device) -> float:
@@ -166,6 +164,45 @@ class PhaseClock:
 def _top2(logits: torch.Tensor) -> tuple[float, float]:
     top = torch.topk(logits, 2).values.tolist()  # [2]
     return top[0], top[1]
+
+
+@dataclass(frozen=True)
+class ProposedTree:
+    """The whole tree the drafters proposed at a step, of which the step verified a part."""
+
+    draft: DraftTree
+    node_tokens: list[int]  # [n+1] root first
+    node_texts: list[str]
+
+    def outcome(self, verified: TreeOutcome) -> TreeOutcome:
+        """The proposal as the record keeps it: the verified step's accepted path and bonus token,
+        found in this tree by their tokens (the verified tree is a part of it)."""
+        tree = self.draft.tree
+        children: dict[tuple[int, int], int] = {}
+        for node, parent in enumerate(tree.parents[1:], start=1):
+            children.setdefault((parent, self.node_tokens[node]), node)
+        accepted = [0]
+        for token in verified.accepted_tokens:
+            child = children.get((accepted[-1], token))
+            if child is None:
+                break
+            accepted.append(child)
+        head_scores = self.draft.node_head_scores()
+        scores = tree.scores if tree.scores is not None else [s or 0.0 for s in head_scores[1:]]
+        return TreeOutcome(tree=tree, node_tokens=self.node_tokens, node_scores=[1.0] + list(scores),
+                           accepted_nodes=accepted, bonus_token=verified.bonus_token, node_texts=self.node_texts,
+                           bonus_text=verified.bonus_text,
+                           lookup_rank=self.draft.first_chain_rank if self.draft.chains else None,
+                           chain_sources=tuple(c.source for c in self.draft.chains), head_scores=head_scores)
+
+
+@dataclass(frozen=True)
+class Asides:
+    """What the page draws beside a step (`DecodeSession._asides`); none of it is committed."""
+
+    proposal: ProposedTree | None = None
+    comparison: TreeOutcome | None = None
+    rival: TreeOutcome | None = None
 
 
 class DecodeSession:
@@ -207,7 +244,7 @@ class DecodeSession:
         self.hidden_history: list[torch.Tensor] = []
         self.feature_history: list[torch.Tensor] = []
         self._text_seconds = 0.0  # this step's node-text decoding (PhaseTimes.texts)
-        self.auto = AutoBudget(profile or verify_profile(base)) if config.auto_budget else None
+        self.controller: NodeBudget = AutoBudget(profile or verify_profile(base)) if config.auto_budget else FixedBudget()
         self.generator = torch.Generator().manual_seed(config.seed)
         # room for the prompt, the answer and one tree on top: a static cache never has to grow
         self.cache = base.new_cache(len(self.prompt_ids) + config.max_new_tokens + MAX_BUDGET + 2)
@@ -224,14 +261,15 @@ class DecodeSession:
             return None
         if not rival:
             return self.family.build_drafter(heads, self.base, self.config)
-        config = replace(self.config, strategy=heads.family, compare_fixed=False, compare_rival=False)
+        config = replace(self.config, spec=replace(self.config.spec, family=heads.family), compare_fixed=False,
+                         compare_rival=False)
         return family(heads.family).build_drafter(heads, self.base, config)
 
     def _chain_drafters(self, store: TokenStore | None) -> list[Drafter]:
         drafters: list[Drafter] = []
-        if self.config.lookup_tokens:
+        if self.config.spec.lookup:
             drafters.append(LookupDrafter(self.config.lookup_tokens, self.config.lookup_chains))
-        if self.config.store_tokens:
+        if self.config.spec.store:
             if store is None and self.base.config.name != DEFAULT_MODEL:
                 raise ValueError("the shipped datastore holds SmolLM2's token ids; pass a store built for this model")
             drafters.append(StoreDrafter(store or default_store(), self.config.store_tokens, self.config.store_branches))
@@ -257,27 +295,27 @@ class DecodeSession:
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
         clock = PhaseClock(self.base.device)
-        controller = self.auto.state if self.auto is not None else ""
+        plan = self.controller.plan(self.config.budget)  # which drafters run, and the node budget
         max_depth = self._room() - 1  # deeper nodes would not fit the context
         self._text_seconds = 0.0
-        heads, drafted = clock.time("heads", self._draft, max_depth)
-        if heads is None and not drafted:
+        heads, drafted = clock.time("heads", self._draft, plan, max_depth)
+        chains = [chain for _, proposed in drafted for chain in proposed]
+        draft = clock.time("tree", self._build, heads, chains, plan, max_depth) if heads is not None or chains else None
+        asides = clock.time("compare", self._asides, heads, chains, draft, plan, max_depth)  # the page's, untimed
+        if draft is None:
             record = self._step_autoregressive(clock)
         else:
-            chains = [chain for _, proposed in drafted for chain in proposed]
-            draft = clock.time("tree", self._build, heads, chains, max_depth)
-            comparison, rival = clock.time("compare", self._verify_asides, heads, draft, max_depth)
             context = cache_length(self.cache)
             out = clock.time("verify", self._verify, draft)
             outcome = clock.time("accept", self._accept, draft, out)
             clock.time("commit", self._commit, context, outcome, out)
             self._observe_chains(drafted, draft, outcome.accepted_tokens)
-            record = self._tree_record(heads, draft, outcome, context, comparison, rival)
-        record = replace(record, times=clock.times(texts=self._text_seconds), controller=controller,  # timed here
-                         new_tokens=self._emit(record.new_tokens))
+            record = self._tree_record(heads, draft, outcome, context)
+        record = replace(record, times=clock.times(texts=self._text_seconds), controller=plan.state,  # timed here
+                         new_tokens=self._emit(record.new_tokens), comparison=asides.comparison, rival=asides.rival,
+                         proposal=asides.proposal.outcome(record.outcome) if asides.proposal else None)
         self.records.append(record)
-        if self.auto is not None:
-            self.auto.observe(record)
+        self.controller.observe(record)
         if self.finished:
             self.release()
         return record
@@ -291,7 +329,7 @@ class DecodeSession:
         twin.chain_drafters = copy.deepcopy(self.chain_drafters)
         twin.heads_drafter, twin.rival_drafter = copy.copy(self.heads_drafter), copy.copy(self.rival_drafter)
         twin.hidden_history, twin.feature_history = list(self.hidden_history), list(self.feature_history)
-        twin.auto = copy.deepcopy(self.auto)
+        twin.controller = copy.deepcopy(self.controller)
         twin.generator = torch.Generator().manual_seed(seed)
         return twin
 
@@ -337,10 +375,9 @@ class DecodeSession:
             self.stop_reason = "context"
         return emitted
 
-    def _draft_context(self) -> DraftContext:
+    def _draft_context(self, plan: StepPlan) -> DraftContext:
         return DraftContext(tokens=self.prompt_ids + self.output_ids, hidden=self.last_hidden,
-                            history=self.hidden_history, max_nodes=self.auto.draft_limit() if self.auto else None,
-                            features=self.feature_history)
+                            history=self.hidden_history, max_nodes=plan.max_nodes, features=self.feature_history)
 
     def _remember_hidden(self, out: VerifyOutput, rows: slice | torch.Tensor) -> None:
         """Keep the accepted positions' rows of this forward's hidden states [n, H] (and tapped
@@ -362,17 +399,16 @@ class DecodeSession:
         self._text_seconds += time.perf_counter() - start
         return texts
 
-    def _draft(self, max_depth: int) -> tuple[HeadProposal | GrownTree | None, list[tuple[Drafter, list[Chain]]]]:
-        """Every drafter's candidates for this step (none when no tree node would fit)."""
+    def _draft(self, plan: StepPlan, max_depth: int
+               ) -> tuple[Proposal | None, list[tuple[Drafter, list[Chain]]]]:
+        """The candidates of the drafters the plan runs (none when no tree node would fit: the
+        step is then plain, as on the controller's probes)."""
         if max_depth < 1 or self.config.strategy == AUTOREGRESSIVE:
             return None, []
-        if self.auto is not None and self.auto.probe_plain():
-            return None, []  # a plain step measures what plain decoding costs in this run
-        context = self._draft_context()
-        use_heads = self.auto is None or self.auto.use_heads()  # dynamic:auto backing off skips the heads
-        heads = self.heads_drafter.propose(context) if use_heads else None
+        context = self._draft_context(plan)
+        heads = self.heads_drafter.propose(context) if plan.heads else None  # dynamic:auto backing off skips them
         chains = []
-        for drafter in self.chain_drafters:
+        for drafter in self.chain_drafters if plan.chains else ():
             proposed = drafter.propose(context)
             if proposed:  # nodes deeper than max_depth are pruned with the tree's in `_build`
                 chains.append((drafter, proposed))
@@ -401,17 +437,17 @@ class DecodeSession:
         out.row(0)  # the logits: part of the forward's time
         return out
 
-    def _build(self, heads: HeadProposal | GrownTree | None, chains: list[Chain], max_depth: int) -> DraftTree:
-        """The step's tree: the policy's tree, cut to the context, then (auto) to the best prefix."""
+    def _build(self, heads: Proposal | None, chains: list[Chain], plan: StepPlan,
+               max_depth: int) -> DraftTree:
+        """The step's tree: the policy's tree of the plan's node budget, cut to the context, then
+        to the prefix the controller chooses (all of it unless `auto`)."""
         fixed = self.fixed if self.config.strategy == FIXED else None
-        draft = build_draft_tree(heads, chains, self.config.budget, self.config.top_m, self.config.depth, fixed)
+        draft = build_draft_tree(heads, chains, plan.max_nodes, self.config.top_m, self.config.depth, fixed)
         draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
         if draft.tree.max_depth > max_depth:
             draft = draft.keep(max_depth=max_depth)
-        if self.auto is not None:
-            context = cache_length(self.cache)
-            draft = draft.keep(size=self.auto.choose(draft, heads_used=heads is not None, context=context))
-        return draft
+        size = self.controller.choose(draft, heads_used=heads is not None, context=cache_length(self.cache))
+        return draft.keep(size=size) if size < draft.tree.num_nodes else draft
 
     def _verify(self, draft: DraftTree) -> VerifyOutput:
         """One forward over the whole tree on top of the cache (which keeps it until the commit),
@@ -448,22 +484,45 @@ class DecodeSession:
         self._remember_hidden(out, accepted)
         self.root_token = outcome.bonus_token
 
-    def _verify_asides(self, heads: HeadProposal | GrownTree | None, draft: DraftTree, max_depth: int
-                       ) -> tuple[TreeOutcome | None, TreeOutcome | None]:
-        """The page's side-by-side trees on this step's context (verified, never committed): the
-        fixed tree over the same heads' guesses, and the rival family's tree of the same size."""
-        comparison = rival = None
-        if self.fixed_aside and isinstance(heads, HeadProposal):
-            fixed = build_draft_tree(heads, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
-            comparison = self._verify_aside(fixed.stop_after(self.root_token, self.base.eos_token_ids)
-                                            .keep(max_depth=max_depth))
-        if self.rival_drafter is not None and heads is not None:
-            nodes = max(draft.tree.num_nodes, 1)
-            proposal = self.rival_drafter.propose(self._draft_context())
+    def _asides(self, heads: Proposal | None, chains: list[Chain], draft: DraftTree | None, plan: StepPlan,
+                max_depth: int) -> "Asides":
+        """What the page shows beside the step (never committed, never charged): the whole tree the
+        drafters proposed when the budget verified less (the heads drafted here when the controller
+        skipped them), the fixed tree over the same heads' guesses, and the rival family's tree of
+        the same size, both verified on this step's context."""
+        shown = heads
+        if shown is None and self.config.record_texts and self.heads_drafter is not None and max_depth >= 1:
+            shown = self.heads_drafter.propose(replace(self._draft_context(plan), max_nodes=self.config.budget))
+        if shown is None:
+            return Asides()
+        asides = Asides(proposal=self._proposal(shown, chains, draft, max_depth) if self.config.record_texts else None)
+        if self.fixed_aside:  # a dynamic run: the heads proposed a HeadProposal
+            fixed = build_draft_tree(shown, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
+            asides = replace(asides, comparison=self._verify_aside(
+                fixed.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)))
+        if self.rival_drafter is not None:
+            nodes = max(draft.tree.num_nodes if draft is not None else 0, 1)
+            proposal = self.rival_drafter.propose(self._draft_context(plan))
             theirs = build_draft_tree(proposal, [], nodes, self.config.top_m, self.config.depth)
-            rival = self._verify_aside(theirs.stop_after(self.root_token, self.base.eos_token_ids)
-                                       .keep(max_depth=max_depth, size=nodes))
-        return comparison, rival
+            asides = replace(asides, rival=self._verify_aside(
+                theirs.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth, size=nodes)))
+        return asides
+
+    def _proposal(self, heads: Proposal, chains: list[Chain], draft: DraftTree | None,
+                  max_depth: int) -> "ProposedTree | None":
+        """The tree of the whole node budget from these guesses, when it is larger than what the step
+        verifies (a sized family: the controller cut it, or skipped the heads)."""
+        if not self.family.sized:
+            return None
+        full = build_draft_tree(heads, chains, self.config.budget, self.config.top_m, self.config.depth)
+        full = full.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)
+        if draft is not None and full.tree.num_nodes <= draft.tree.num_nodes:
+            return None
+        text_seconds = self._text_seconds  # the proposal's texts are the page's, not the step's
+        tokens = full.tree.node_tokens(self.root_token, full.token_table).tolist()  # [n+1]
+        proposed = ProposedTree(draft=full, node_tokens=tokens, node_texts=self._texts(tokens))
+        self._text_seconds = text_seconds
+        return proposed
 
     def _verify_aside(self, draft: DraftTree) -> TreeOutcome:
         """A tree verified and judged on the current context, then dropped from the cache (UI only).
@@ -479,8 +538,8 @@ class DecodeSession:
         truncate(self.cache, context)
         return outcome
 
-    def _tree_record(self, heads: HeadProposal | GrownTree | None, draft: DraftTree, outcome: TreeOutcome,
-                     context: int, comparison: TreeOutcome | None, rival: TreeOutcome | None) -> StepRecord:
+    def _tree_record(self, heads: Proposal | None, draft: DraftTree, outcome: TreeOutcome, context: int
+                     ) -> StepRecord:
         """What a tree step leaves for the views; without the heads (dynamic:auto backing off) a
         step verified the chains alone."""
         shown = min(self.config.top_m, 10)
@@ -490,7 +549,6 @@ class DecodeSession:
             index=len(self.records), context_length=context, strategy=kind,
             head_token_ids=head_ids, head_probs=heads.probs[:, :shown].tolist() if heads is not None else [],
             outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token], times=PhaseTimes(),
-            comparison=comparison, rival=rival,
             head_texts=[self._texts(row) for row in head_ids] if self.config.record_texts else [],
         )
 

@@ -1,8 +1,13 @@
-"""The machine a figure was measured on: names that key cached measurements and label results."""
+"""The machine a figure was measured on: names that key cached measurements and label results,
+and the one timing loop every measurement uses (`median_ms`)."""
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -36,3 +41,27 @@ def measured_quietly(*same_thing_ms: float) -> bool:
     """True when repeated timings of the same work agree within BUSY_SPREAD: nothing else competed for
     the cores, so a measurement taken between them may be cached for later runs."""
     return max(same_thing_ms) <= (1 + BUSY_SPREAD) * min(same_thing_ms)
+
+
+@torch.inference_mode()
+def median_ms(call: Callable[[], object], repeats: int, device: object | None = None, *,
+              setup: Callable[[], object] | None = None) -> float:
+    """Median wall ms of `repeats` calls of `call` after one untimed warm-up call (the upper middle
+    one for an even count). `setup` runs untimed before every call (e.g. a cache cut back to its
+    context); on a GPU (`device` a CUDA torch.device) each call is waited for."""
+    def synchronise() -> None:
+        if getattr(device, "type", None) == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed() -> float:
+        if setup is not None:
+            setup()
+        synchronise()
+        start = time.perf_counter()
+        call()
+        synchronise()
+        return 1000 * (time.perf_counter() - start)
+
+    timed()
+    samples = sorted(timed() for _ in range(repeats))
+    return samples[len(samples) // 2]

@@ -14,8 +14,6 @@ import importlib.util
 import json
 import logging
 import os
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +25,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynam
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
-from core.machine import cpu_fingerprint, measured_quietly
+from core.machine import cpu_fingerprint, measured_quietly, median_ms
 
 if TYPE_CHECKING:
     from core.engine import LeanLlama, StaticCache
@@ -355,14 +353,8 @@ def _time_products(dtype: torch.dtype, rows: int = 1, layers: int = 12, repeats:
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers) for shape in shapes]
     inputs = {width: torch.randn(rows, width).to(dtype) for width in (576, 1536)}
-    samples = []
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            for weight in weights:
-                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:]) * 1e3
+        return median_ms(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], repeats)
 
 
 def _decided(measured: PrecisionChoice) -> str:

@@ -90,6 +90,18 @@ class TreeOutcome:
                 ranks[node] = rank
         return ranks
 
+    def token_paths(self) -> list[tuple[int, ...]]:
+        """[n+1] each node's tokens from below the root down to itself (the root: ())."""
+        paths: list[tuple[int, ...]] = [()]
+        for node, parent in enumerate(self.tree.parents[1:], start=1):
+            paths.append(paths[parent] + (self.node_tokens[node],))
+        return paths
+
+    def unverified_in(self, proposal: "TreeOutcome") -> frozenset[int]:
+        """The nodes of `proposal` (a larger tree of the same step) that this verified tree lacks."""
+        verified = set(self.token_paths())
+        return frozenset(i for i, path in enumerate(proposal.token_paths()) if path not in verified)
+
     def node_source(self, node: int) -> str:
         """Who proposed `node`: "root", "heads" (head k = its depth), or a chain's drafter name."""
         if node == 0:
@@ -118,6 +130,9 @@ class StepRecord:
     top_logits: tuple[float, float] | None = None  # plain steps: the base model's top-1 and top-2 logits
     controller: str = ""  # dynamic:auto's state when it chose this step (core.budget.controller.AutoBudget.state)
     rival: TreeOutcome | None = None  # the other heads family's tree (Hydra <-> Medusa) on the same context
+    # the page's: the whole tree the drafters proposed when the step verified only a part of it (the
+    # budget cut it, or the controller skipped the heads); its nodes beyond `outcome.tree` were never verified
+    proposal: TreeOutcome | None = None
 
     @property
     def top2_gap(self) -> float | None:

@@ -34,8 +34,12 @@ ADDITIONS = ("lookup", "store")
 ACCEPT_RULES = ("greedy", "typical", "speculative")  # core.accept: how a tree's path is accepted
 DEFAULT_BUDGET = 63
 DEFAULT_FIXED_TREE = "mc_sim_7b_63"
+DEFAULT_TOP_M = 32  # candidates kept per head
+DEFAULT_DEPTH = 4  # heads used
+DEFAULT_NEW_TOKENS = 128
 MAX_BUDGET = 256
 MAX_TOP_M = 64
+MAX_DEPTH = 16  # no model here has more heads
 MAX_NEW_TOKENS = 1024
 MAX_CHAIN_TOKENS = 32  # prompt-lookup chain and datastore branch length
 MAX_CHAINS = 8  # prompt-lookup chains, and datastore branches, grafted onto one tree
@@ -46,6 +50,15 @@ STORE_TOKENS = 8  # the length of each branch `+store` adds
 
 GRAMMAR = ("ar, fixed[:<tree>], " + ", ".join(f"{name}[:<n>|auto][+lookup][+store]" for name in TREE_STRATEGIES)
            + ", hf:greedy, hf:prompt_lookup, each optionally @exact, @lean or @hf")
+
+
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """ValueError unless `value` is an integer (not a bool) from `low` to `high`: the one range check
+    of every setting (the page's parser coerces what a browser sends first)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
 
 
 class StrategyError(ValueError):
@@ -154,7 +167,11 @@ def parse_strategy(text: object) -> StrategySpec:
         body, engine = spec_text, None
     elif engine not in ENGINES:
         raise StrategyError(f"unknown forward {engine!r} in {spec_text!r}: use @exact, @lean or @hf")
-    family, _, arg = body.partition(":")
+    family = body.split(":", 1)[0].split("+", 1)[0]  # `dynamic+lookup` is `dynamic:` + `+lookup`
+    rest = body[len(family):]
+    arg = rest[1:] if rest.startswith(":") else rest
+    if rest.startswith("+") and family not in TREE_STRATEGIES:
+        raise StrategyError(f"{spec_text!r}: only {', '.join(TREE_STRATEGIES)} take +lookup or +store")
     if family in ("ar", AUTOREGRESSIVE) and not arg:
         return StrategySpec(family=AUTOREGRESSIVE, engine=engine)
     if family == HF:

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.drafters.interface import Chain, HeadProposal
-from core.drafters.grown import GrownTree
-from core.tree import CandidateTree, RankPath, dynamic_tree
+from core.drafters.interface import Chain, Proposal
+from core.tree import CandidateTree, RankPath
 
 
 @dataclass(frozen=True)
@@ -106,21 +105,15 @@ def graft_chains(tree: CandidateTree, token_table: torch.Tensor, chains: list[Ch
     return CandidateTree(paths=order, scores=[scores[p] for p in order], kind=tree.kind), chain_paths, chain_scores
 
 
-def build_draft_tree(heads: HeadProposal | GrownTree | None, chains: list[Chain], budget: int, top_m: int,
+def build_draft_tree(heads: Proposal | None, chains: list[Chain], budget: int, top_m: int,
                      depth: int, fixed: CandidateTree | None = None) -> DraftTree:
-    """The step's tree: the fixed tree, the dynamic tree of the heads' top-m marginals
-    (`budget` nodes, `depth` heads), or the tree Hydra heads grew, with every chain grafted on."""
-    if isinstance(heads, GrownTree):
-        return _with_chains(heads.tree, heads.token_table, chains)
-    head_ids = heads.token_ids if heads is not None else torch.zeros(0, top_m, dtype=torch.long)  # [D, m]
-    if fixed is not None:
-        scores = fixed.path_scores(heads.probs) if heads is not None else [0.0] * fixed.num_nodes
-        return DraftTree(tree=fixed, token_table=head_ids, head_scores=dict(zip(fixed.paths, scores)))
-    if heads is not None:
-        tree = dynamic_tree(heads.probs[:depth, :top_m], budget)
-    else:
-        tree = CandidateTree(paths=[], scores=[], kind="dynamic")
-    return _with_chains(tree, head_ids, chains)
+    """The step's tree: the heads' own (`Proposal.candidate_tree`: the fixed tree over their guesses,
+    the dynamic tree of their top-m marginals, or the tree they grew), with every chain grafted on."""
+    if heads is None:
+        return _with_chains(CandidateTree(paths=[], scores=[], kind="dynamic"),
+                            torch.zeros(0, top_m, dtype=torch.long), chains)  # [0, m]: chains alone
+    tree, table = heads.candidate_tree(budget, top_m, depth, fixed)
+    return _with_chains(tree, table, chains)
 
 
 def _with_chains(tree: CandidateTree, head_ids: torch.Tensor, chains: list[Chain]) -> DraftTree:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from core.strategy import MAX_BUDGET
+from core.strategy import MAX_BUDGET, MAX_DEPTH
 
 MAX_TEMPERATURE = 2.0
 # Prompts: refused above MAX_PROMPT_TOKENS (chat template included). 2048 keeps a session's KV cache
@@ -13,7 +13,6 @@ MAX_PROMPT_TOKENS = int(os.environ.get("MEDUSA_LAB_MAX_PROMPT_TOKENS", "2048"))
 MAX_PROMPT_CHARS = 100_000
 MAX_CUSTOM_TREE_NODES = MAX_BUDGET
 MAX_CUSTOM_TREE_CHARS = 20_000
-MAX_DEPTH = 16  # no model here has more heads
 MAX_REFERENCES = 8  # plain-greedy runs cached per session
 STEP_LOCK_TIMEOUT_S = 120.0
 

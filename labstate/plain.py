@@ -61,7 +61,7 @@ def reference(lab: LabState, run: Run) -> Reference:
     """The plain greedy run for this prompt/precision/length, computed once per user and cached."""
     key = run.reference_key
     if key not in lab.references:
-        config = DecodeConfig(strategy=AUTOREGRESSIVE, max_new_tokens=run.settings.max_new_tokens,
+        config = DecodeConfig(spec=AUTOREGRESSIVE, max_new_tokens=run.settings.max_new_tokens,
                               record_texts=False)
         plain = run_on_tensor_thread(decode, run.runtime.base, None, run.session.prompt_ids, config)
         lab.references[key] = Reference(output_ids=list(plain.output_ids),

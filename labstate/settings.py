@@ -10,8 +10,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_FIXED_TREE, DYNAMIC, EAGLE, FIXED, HYDRA,
-                           MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M, StrategyError, StrategySpec, parse_strategy)
+from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_DEPTH, DEFAULT_FIXED_TREE,
+                           DEFAULT_NEW_TOKENS, DEFAULT_TOP_M, DYNAMIC, EAGLE, FIXED, HYDRA, MAX_BUDGET, MAX_NEW_TOKENS,
+                           MAX_TOP_M, StrategyError, StrategySpec, check_int, parse_strategy)
 from core.tree import fixed_tree, load_named_trees
 from core.tensor_thread import tensor_work
 from labstate.errors import LabInputError, show
@@ -68,13 +69,13 @@ class Settings:
 
     spec: StrategySpec = StrategySpec(DYNAMIC, auto=True, lookup=True)  # the strategy (its budget is `budget`)
     budget: int = DEFAULT_BUDGET
-    top_m: int = 32
-    depth: int = 4
+    top_m: int = DEFAULT_TOP_M
+    depth: int = DEFAULT_DEPTH
     fixed_preset: str = DEFAULT_FIXED_TREE
     rule: str = "greedy"
     temperature: float = 0.0
     precision: str = field(default_factory=machine_precision)
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_NEW_TOKENS
     compare_fixed: bool = True
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
     compare_heads: bool = False  # also the other heads' tree (Medusa <-> Hydra) on the same context
@@ -124,7 +125,8 @@ class Settings:
 
 
 def _as_int(name: str, value: object, low: int, high: int) -> int:
-    """An integer setting (sliders may send 63.0); LabInputError when missing, fractional or out of range."""
+    """An integer setting (sliders may send 63.0, the API "12"), range-checked by `core.strategy.check_int`;
+    LabInputError when missing, fractional or out of range."""
     if isinstance(value, str):  # the API may send "12"; anything else that is not a number is refused below
         try:
             value = float(value.strip())
@@ -133,8 +135,10 @@ def _as_int(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
             value in (float("inf"), float("-inf")) or int(value) != value:
         raise LabInputError(f"{name} must be a whole number, got {show(value)}")
-    if not low <= int(value) <= high:
-        raise LabInputError(f"{name} must be between {low} and {high}, got {int(value)}")
+    try:
+        check_int(name, int(value), low, high)
+    except ValueError as error:
+        raise LabInputError(str(error)) from None
     return int(value)
 
 

@@ -5,8 +5,6 @@ Loaded once per process and never modified: everything a user changes lives in a
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +16,7 @@ from core.drafters.medusa import MedusaHeads
 from core.drafters.hydra import HydraHeads
 from core.families import FAMILIES, HYDRA, MEDUSA, family
 from core.kvcache import truncate
+from core.machine import median_ms
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
 from core.budget.cost_profile import CostProfile, profile_cached, verify_profile
 from core.tensor_thread import tensor_work
@@ -154,15 +153,8 @@ def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int
     cache = base.new_cache(len(prompt_ids) + 1)
     context = len(prompt_ids)
     forward_tokens(base, cache, torch.tensor(prompt_ids), torch.arange(context))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        forward_tokens(base, cache, torch.tensor(prompt_ids[-1:]), torch.tensor([context]))
-        if base.device.type == "cuda":
-            torch.cuda.synchronize(base.device)
-        times.append(time.perf_counter() - start)
-        truncate(cache, context)
-    return statistics.median(times)
+    step = lambda: forward_tokens(base, cache, torch.tensor(prompt_ids[-1:]), torch.tensor([context]))  # noqa: E731
+    return median_ms(step, repeats, base.device, setup=lambda: truncate(cache, context)) / 1000
 
 
 def header_line() -> str:

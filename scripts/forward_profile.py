@@ -10,15 +10,13 @@ attention, norms/elementwise, copies and casts) with their share, then one markd
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from core.kvcache import truncate
-from core.machine import cpu_name
+from core.machine import cpu_name, median_ms
 from core.model import ModelConfig, load_base_model
 from core.tree import CandidateTree, chain_tree
 from core.verify import forward_tokens, verify_tree
@@ -53,17 +51,6 @@ def weight_read_ms(base, repeats: int) -> float:
     tensors = [p for name, p in base.model.named_parameters() if "embed_tokens" not in name]
     tensors.append(base.lm_head.weight)  # tied: read again as the projection
     return median_ms(lambda: [tensor.sum() for tensor in tensors], repeats)
-
-
-def median_ms(fn, repeats: int) -> float:
-    """Median wall ms of `repeats` calls of `fn` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def batched_step_ms(base, slots: int, context: int, repeats: int) -> float | None:

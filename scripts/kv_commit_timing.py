@@ -9,13 +9,12 @@ that skips nodes. Prints the median milliseconds per commit.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
 from core.kvcache import keep_accepted
+from core.machine import median_ms
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 TREE_NODES = 64
@@ -44,14 +43,11 @@ def time_commit(commit, context: int, dtype: torch.dtype, repeats: int) -> float
     cache = DynamicCache()
     for index, (keys, values) in enumerate(states):
         cache.update(keys, values, index)
-    times = []
-    for _ in range(repeats):
-        for layer, (keys, values) in zip(cache.layers, states):  # restore (the commit edits in place)
+    def restore() -> None:  # the commit edits the cache in place
+        for layer, (keys, values) in zip(cache.layers, states):
             layer.keys, layer.values = keys, values
-        start = time.perf_counter()
-        commit(cache, context, keep)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+
+    return median_ms(lambda: commit(cache, context, keep), repeats, setup=restore)
 
 
 def main() -> None:

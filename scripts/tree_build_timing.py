@@ -2,11 +2,10 @@
 path: m + m^2 + m^3 + m^4 products, then top-n), m = 32, K = 4, n = 63. CPU, median of 50."""
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
+from core.machine import median_ms
 from core.tree import dynamic_tree
 
 
@@ -31,20 +30,11 @@ def materialised_top(probs: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
     return sorted(paths, key=len)
 
 
-def median_ms(fn, repeats: int = 50) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 if __name__ == "__main__":
     torch.set_num_threads(1)
     probs = torch.softmax(torch.randn(4, 32, generator=torch.Generator().manual_seed(0)) * 2, dim=1)
     probs = probs.sort(dim=1, descending=True).values
     assert set(materialised_top(probs, 63)) == set(dynamic_tree(probs, 63).paths)
-    print(f"materialised (1.08M products): {median_ms(lambda: materialised_top(probs, 63)):.2f} ms")
-    print(f"best-first search:             {median_ms(lambda: dynamic_tree(probs, 63)):.3f} ms")
-    print(f"best-first + buffers:          {median_ms(lambda: dynamic_tree(probs, 63).buffers()):.3f} ms")
+    print(f"materialised (1.08M products): {median_ms(lambda: materialised_top(probs, 63), 50):.2f} ms")
+    print(f"best-first search:             {median_ms(lambda: dynamic_tree(probs, 63), 50):.3f} ms")
+    print(f"best-first + buffers:          {median_ms(lambda: dynamic_tree(probs, 63).buffers(), 50):.3f} ms")

@@ -73,7 +73,7 @@ def plain_greedy():
     def run(prompt: str, max_new_tokens: int = SETTINGS["max_new_tokens"]) -> list[int]:
         key = (prompt, max_new_tokens)
         if key not in cache:
-            config = DecodeConfig(strategy="autoregressive", max_new_tokens=max_new_tokens)
+            config = DecodeConfig(spec="ar", max_new_tokens=max_new_tokens)
             cache[key] = decode(base, None, prompt, config).output_ids
         return cache[key]
 

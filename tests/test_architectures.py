@@ -27,8 +27,8 @@ PROMPT = list(range(10, 30))  # 20 byte tokens
 # a small Medusa-style tree: two ranks at depths 1-2, a chain to depth 4 (7 nodes + root)
 SMALL_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
 STRATEGIES = {
-    "dynamic": DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=NEW_TOKENS),
-    "fixed": DecodeConfig(strategy="fixed", fixed_tree=SMALL_TREE, max_new_tokens=NEW_TOKENS),
+    "dynamic": DecodeConfig(spec="dynamic:15", max_new_tokens=NEW_TOKENS),
+    "fixed": DecodeConfig(spec="fixed", fixed_tree=SMALL_TREE, max_new_tokens=NEW_TOKENS),
 }
 # (family, extra config): the plain tiny model of each family, plus a Qwen2 whose sliding window
 # is configured but applies to no layer (max_window_layers >= layers), which must stay accepted
@@ -156,6 +156,6 @@ def test_sliding_window_would_decode_wrongly(arch: str, overrides: dict[str, Any
     heads = tiny_heads(base)
     with torch.inference_mode():
         plain = greedy_reference(base, PROMPT, NEW_TOKENS)
-    assert decode(base, None, PROMPT, DecodeConfig(strategy="autoregressive", max_new_tokens=NEW_TOKENS)).output_ids \
+    assert decode(base, None, PROMPT, DecodeConfig(spec="ar", max_new_tokens=NEW_TOKENS)).output_ids \
         == plain
     assert decode(base, heads, PROMPT, STRATEGIES["dynamic"]).output_ids != plain

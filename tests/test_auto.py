@@ -205,7 +205,7 @@ def _without_loss_budget(monkeypatch) -> None:
 def test_heads_that_never_guess_right_cost_a_short_run_little(seed):
     """A 40-step answer the heads cannot guess (random letters) while their scores stay
     confident: a failed tree step costs 1.3x a plain one here. The whole run, first step
-    included, stays >= 0.96x plain decoding (0.85x without the loss budget: the next test)."""
+    included, stays >= 0.96x plain decoding (0.85x without the loss allowance: the next test)."""
     real = lambda tokens: 20.0 if tokens == 1 else 24.0 + 0.4 * (tokens - 2)  # noqa: E731
     exact = CostProfile(sizes=[1, 2, 64], ms=[20.0, 24.0, 48.8])
     tokens, times = _simulate_controller(exact, real, accept_chance=0.0, steps=40, seed=seed)
@@ -237,14 +237,14 @@ def test_loss_ledger_books_gains_and_losses():
     ledger.charge(step_ms=30.0, tokens=3, ms_per_token=20.0)  # a paying tree: 30 ms gained
     assert ledger.loss_ms == pytest.approx(-20.0)
     ledger.elapsed_ms = 1000.0
-    assert ledger.budget_ms(20.0) == pytest.approx(LEDGER_START_STEPS * 20.0 + LOSS_SHARE * 1000.0)
-    assert ledger.room_ms(20.0) == pytest.approx(ledger.budget_ms(20.0) + 20.0)
+    assert ledger.allowance_ms(20.0) == pytest.approx(LEDGER_START_STEPS * 20.0 + LOSS_SHARE * 1000.0)
+    assert ledger.room_ms(20.0) == pytest.approx(ledger.allowance_ms(20.0) + 20.0)
     ledger.charge(step_ms=100.0, tokens=1, ms_per_token=20.0)
     assert ledger.room_ms(20.0) < 0
 
 
 def test_dear_drafting_and_a_spent_loss_budget_do_not_lock_trees_out():
-    """Drafting that costs 40 % of a plain step, heads wrong for 100 steps (the loss budget is
+    """Drafting that costs 40 % of a plain step, heads wrong for 100 steps (the loss allowance is
     spent, the calibration pessimistic), then right 80 % of the time: trees come back and pay,
     and the bad stretch cost little."""
     real = lambda tokens: 20.0 if tokens == 1 else 22.0 + 0.4 * (tokens - 2)  # noqa: E731
@@ -275,7 +275,7 @@ def test_a_spent_loss_budget_still_explores_and_evidence_sets_the_pace():
     for index in range(8):
         auto.observe(_plain_step(index))
     auto.last_tree_step = auto.steps - 1
-    auto.ledger.loss_ms = auto.ledger.budget_ms(20.0) + 5.0  # no room for even one node
+    auto.ledger.loss_ms = auto.ledger.allowance_ms(20.0) + 5.0  # no room for even one node
     assert auto.state == "backing off" and not auto.use_heads()
     waited = 0
     while not auto.use_heads():
@@ -353,13 +353,65 @@ def test_node_texts_are_timed_and_charged_to_the_step():
 
     base = tiny_base("llama")
     heads = tiny_heads(base)
-    named = decode(base, heads, list(range(30, 50)), DecodeConfig(strategy="dynamic", budget=20, max_new_tokens=12))
+    named = decode(base, heads, list(range(30, 50)), DecodeConfig(spec="dynamic:20", max_new_tokens=12))
     assert all(r.times.texts > 0 for r in named.records)
-    unnamed = decode(base, heads, list(range(30, 50)), DecodeConfig(strategy="dynamic", budget=20, max_new_tokens=12,
-                                                                      record_texts=False))
+    unnamed = decode(base, heads, list(range(30, 50)), DecodeConfig(spec="dynamic:20", max_new_tokens=12, record_texts=False))
     assert all(r.times.texts == 0 for r in unnamed.records)
     times = PhaseTimes(heads=0.001, verify=0.01, texts=0.002)
     assert times.total == pytest.approx(0.011) and times.charged == pytest.approx(0.013)
-    auto = decode(base, heads, list(range(30, 50)), DecodeConfig(strategy="dynamic", auto_budget=True,
-                                                                  max_new_tokens=12))
-    assert auto.auto.ledger.elapsed_ms == pytest.approx(1000 * sum(r.times.charged for r in auto.records))
+    auto = decode(base, heads, list(range(30, 50)), DecodeConfig(spec="dynamic:auto", max_new_tokens=12))
+    assert auto.controller.ledger.elapsed_ms == pytest.approx(1000 * sum(r.times.charged for r in auto.records))
+
+
+def test_the_plan_decides_the_drafters_and_the_node_budget_once_per_step():
+    """`plan` is the controller's one decision before drafting: a probe runs no drafter, a back-off
+    runs the chains alone, and the node budget is the smaller of the strategy's and the draft
+    limit; without `auto` every step drafts everything up to the budget."""
+    from core.budget.controller import ControllerState, FixedBudget
+    fixed = FixedBudget().plan(40)
+    assert (fixed.state, fixed.heads, fixed.chains, fixed.max_nodes) == (ControllerState.OFF, True, True, 40)
+    auto = AutoBudget(profile=PROFILE)
+    first = auto.plan(40)
+    assert first.state == ControllerState.NORMAL and first.heads and first.max_nodes == 40
+    auto.steps = 1  # steps 1, 3, 5 probe until plain speed is measured
+    probe = auto.plan(40)
+    assert probe.state == "probing" and not probe.heads and not probe.chains
+    auto.steps = 2
+    draft = build_draft_tree(heads(), [], 16, 8, 4, None)
+    auto.records = [record(draft.keep(size=3), [])]
+    assert auto.plan(40).max_nodes == 6 and auto.plan(4).max_nodes == 4
+    auto.plain_until = 10
+    backing_off = auto.plan(40)
+    assert backing_off.state == "backing off" and not backing_off.heads and backing_off.chains
+
+
+@pytest.mark.parametrize("spec", ["dynamic:auto+lookup", "hydra:auto"])
+def test_the_page_sees_the_whole_proposal_where_a_step_verified_part_of_it(spec):
+    """Issue 46: whatever the budget verifies, the record keeps the tree the drafters proposed (the
+    heads drafted aside when the controller skipped them): it holds every verified node, its
+    accepted path spells the accepted tokens, the rest is drawn faded, and none of it changes the
+    text or the step's timed phases (a benchmark's records carry none)."""
+    from core.decoder import DecodeConfig, decode
+    from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
+    from viz.tree_plot import tree_figure
+
+    base = tiny_base("llama")
+    heads = tiny_hydra(base) if spec.startswith("hydra") else tiny_heads(base)
+    prompt = list(range(30, 50)) * 2
+    session = decode(base, heads, prompt, DecodeConfig(spec=spec, max_new_tokens=24, top_m=8,
+                                                       fixed_tree=((0,), (1,), (0, 0))))
+    assert session.output_ids == greedy_reference(base, prompt, 24)
+    with_proposal = [r for r in session.records if r.proposal is not None]
+    assert with_proposal and any(r.strategy in ("autoregressive", "lookup") for r in with_proposal)
+    for record in with_proposal:
+        proposal, outcome = record.proposal, record.outcome
+        assert proposal.tree.num_nodes > outcome.tree.num_nodes
+        unverified = outcome.unverified_in(proposal)
+        assert proposal.tree.num_nodes + 1 - len(unverified) == outcome.tree.num_nodes + 1  # every verified node
+        assert [proposal.node_tokens[n] for n in proposal.accepted_nodes[1:]] == outcome.accepted_tokens
+        assert not unverified & set(proposal.accepted_nodes)
+        figure = tree_figure(proposal, "t", unverified=unverified)
+        nodes = next(t for t in figure.data if t.name == "candidate (colour = joint p)")
+        assert sorted(i for i, o in enumerate(nodes.marker.opacity) if o < 1) == sorted(unverified)
+    bench = decode(base, heads, prompt, DecodeConfig(spec=spec, max_new_tokens=24, top_m=8, record_texts=False))
+    assert bench.output_ids == session.output_ids and all(r.proposal is None for r in bench.records)

@@ -96,8 +96,8 @@ def test_store_and_lookup_specs_parse():
     from core.decoder import DecodeConfig
 
     config = parse_strategy("dynamic:auto+lookup+store", DecodeConfig())
-    assert config.auto_budget and config.lookup_tokens > 0 and config.store_tokens > 0
-    assert parse_strategy("dynamic:32+store", DecodeConfig()).lookup_tokens == 0
+    assert config.auto_budget and config.spec.lookup and config.spec.store
+    assert not parse_strategy("dynamic:32+store", DecodeConfig()).spec.lookup
     with pytest.raises(ValueError, match="only \\+lookup and \\+store"):
         parse_strategy("dynamic:auto+magic", DecodeConfig())
 
@@ -108,7 +108,7 @@ def test_hydra_specs_parse_and_pick_hydra_heads():
     from tests.tiny import tiny_base, tiny_heads, tiny_hydra
 
     config = parse_strategy("hydra:auto+lookup", DecodeConfig())
-    assert config.strategy == "hydra" and config.auto_budget and config.lookup_tokens > 0
+    assert config.strategy == "hydra" and config.auto_budget and config.spec.lookup
     assert parse_strategy("hydra:40", DecodeConfig()).budget == 40
     base = tiny_base("llama")
     medusa, hydra = tiny_heads(base), tiny_hydra(base)
@@ -127,7 +127,7 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
     from tests.tiny import tiny_base, tiny_heads
 
     assert engine_of("dynamic:auto+lookup@hf") == "hf" and engine_of("ar") is None
-    assert parse_strategy("dynamic:auto+lookup@hf", DecodeConfig()).lookup_tokens > 0
+    assert parse_strategy("dynamic:auto+lookup@hf", DecodeConfig()).spec.lookup
     assert parse_strategy("ar@lean", DecodeConfig()).strategy == AUTOREGRESSIVE
     with pytest.raises(ValueError, match="@lean or @hf"):
         parse_strategy("ar@fast", DecodeConfig())

@@ -7,6 +7,7 @@ MEDUSA_LAB_SCREENSHOTS (assets/screenshots/ in the repository was made that way)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -74,26 +76,34 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"app.py did not answer on {url} within {timeout} s")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python app.py --port N`, as a user would start it; yields (url, launch time)."""
+@contextlib.contextmanager
+def running_app(log: Path, *args: str) -> Iterator[tuple[str, float]]:
+    """`python app.py ARGS --port N`, as a user would start it (its output in `log`); yields (url,
+    launch time) once the page answers, and stops the server afterwards."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "app.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False"}
     launched = time.perf_counter()
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=REPO, env=env,
+        process = subprocess.Popen([sys.executable, "app.py", *args, "--port", str(port)], cwd=REPO, env=env,
                                    stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:
         _wait_http(url, process, SERVER_START_TIMEOUT_S)
-        yield url, launched, log
+        yield url, launched
     finally:
         process.terminate()
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The app as a user starts it; yields (url, launch time, its log)."""
+    log = tmp_path_factory.mktemp("server") / "app.log"
+    with running_app(log) as (url, launched):
+        yield url, launched, log
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +136,12 @@ def shots(tmp_path_factory) -> Path:
     folder = Path(os.environ.get("MEDUSA_LAB_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _plot_points(page, selector: str) -> int:
+    """Marker points drawn in a plot (a tree's nodes, its root and the bonus star)."""
+    return page.evaluate("(s) => document.querySelectorAll(s + ' .js-plotly-plot .scatterlayer .point').length",
+                         selector)
 
 
 def _set_number(page, elem_id: str, value: int) -> None:
@@ -211,6 +227,19 @@ def test_step_renders_tree_text_and_timing(server, page, shots, tmp_path):
     (tmp_path / "timings.json").write_text(json.dumps(timings))
     print(f"\nbrowser timings: {timings}; screenshots in {shots}")
     assert not [m for m in page.console if "must be of type" in m]  # the i18n warning about "status"
+
+
+def test_default_settings_draw_a_tree_and_the_fixed_tree_at_every_step(page, shots):
+    """Issue 46: on the page's defaults (auto budget, prompt lookup, fixed-tree comparison) each of the
+    first 10 steps draws at least 8 proposed nodes (what the budget did not verify faded) and the
+    fixed tree beside them, whatever the controller did (plain probes, back-offs, small trees)."""
+    page.get_by_label("Prompt", exact=True).fill("Write a short poem about the sea at night.")
+    for step in range(1, 11):
+        _step(page, step)
+        page.wait_for_function(TREE_TITLE_JS, arg=f"Step {step}", timeout=UI_TIMEOUT_MS)
+        drawn = _plot_points(page, "#tree-plot"), _plot_points(page, "#tree-compare-plot")
+        assert drawn[0] >= 8 + 2 and drawn[1] >= 8 + 2, (step, drawn)  # nodes + the root + the bonus star
+    page.locator("#tree-plot").screenshot(path=str(shots / "proposed_tree.png"))
 
 
 @pytest.mark.parametrize("budget, top_m, name", [(4, 2, "small"), (256, 64, "large")])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.decoder import DecodeConfig, decode
+from core.strategy import StrategySpec
 from core.budget.cost_profile import CostProfile
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 
@@ -15,11 +16,11 @@ MAX_POSITIONS = 256
 FLAT = CostProfile(sizes=[1, 256], ms=[10.0, 10.5])  # a tree costs what a token costs: auto grows trees
 
 STRATEGIES = {
-    "ar": DecodeConfig(strategy="autoregressive"),
-    "fixed": DecodeConfig(strategy="fixed", fixed_tree=((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
-    "dynamic": DecodeConfig(strategy="dynamic", budget=10),
-    "dynamic+lookup": DecodeConfig(strategy="dynamic", budget=10, lookup_tokens=10),
-    "auto+lookup": DecodeConfig(strategy="dynamic", budget=64, auto_budget=True, lookup_tokens=10),
+    "ar": DecodeConfig(spec="ar"),
+    "fixed": DecodeConfig(spec="fixed", fixed_tree=((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
+    "dynamic": DecodeConfig(spec="dynamic:10"),
+    "dynamic+lookup": DecodeConfig(spec="dynamic:10+lookup"),
+    "auto+lookup": DecodeConfig(spec=StrategySpec("dynamic", budget=64, auto=True, lookup=True)),
 }
 
 
@@ -58,4 +59,4 @@ def test_every_strategy_emits_what_generate_emits_near_the_limit(tiny, name, pro
 def test_a_prompt_that_fills_the_context_is_refused(tiny):
     base, heads = tiny
     with pytest.raises(ValueError, match="no room"):
-        decode(base, heads, repetitive_prompt(MAX_POSITIONS), DecodeConfig(strategy="autoregressive"))
+        decode(base, heads, repetitive_prompt(MAX_POSITIONS), DecodeConfig(spec="ar"))

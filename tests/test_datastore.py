@@ -64,7 +64,7 @@ def test_decoding_with_the_store_is_exact_and_accepts_its_branches():
     prompts = [[(7 * i + j) % 256 for j in range(12)] for i in range(6)]
     answers = [greedy_reference(base, p, 40) for p in prompts]
     store = TokenStore(answers[1:])
-    config = DecodeConfig(strategy="dynamic", budget=6, store_tokens=8, max_new_tokens=40)
+    config = DecodeConfig(spec="dynamic:6+store", max_new_tokens=40)
     for prompt, answer in zip(prompts, answers):
         session = decode(base, heads, prompt, config, store=store)
         assert session.output_ids == answer

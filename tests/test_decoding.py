@@ -37,15 +37,14 @@ def assert_lossless(base, prompt_ids, plain, speculative, bound):
 @pytest.mark.parametrize("strategy", ["autoregressive", "fixed", "dynamic"])
 def test_greedy_fp32_equals_plain_generate(base_fp32, shipped_heads, plain_fp32, strategy):
     for prompt_ids, plain in plain_fp32:
-        session = decode(base_fp32, shipped_heads, prompt_ids, DecodeConfig(strategy=strategy, max_new_tokens=NEW_TOKENS))
+        session = decode(base_fp32, shipped_heads, prompt_ids, DecodeConfig(spec=strategy, max_new_tokens=NEW_TOKENS))
         assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
         assert sum(len(r.new_tokens) for r in session.records) + 1 == len(session.output_ids)
 
 
 def test_greedy_fp32_with_every_drafter_equals_plain_generate(base_fp32, shipped_heads, plain_fp32):
     """Heads, two prompt-lookup chains and datastore branches in one auto-sized tree: same text."""
-    config = DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=10, lookup_chains=2, store_tokens=8,
-                          max_new_tokens=NEW_TOKENS)
+    config = DecodeConfig(spec="dynamic:auto+lookup+store", lookup_chains=2, max_new_tokens=NEW_TOKENS)
     sources = set()
     for prompt_ids, plain in plain_fp32[:3]:
         session = decode(base_fp32, shipped_heads, prompt_ids, config)
@@ -54,14 +53,13 @@ def test_greedy_fp32_with_every_drafter_equals_plain_generate(base_fp32, shipped
     assert "store" in sources  # the datastore's branches were accepted somewhere
 
 
-@pytest.mark.parametrize("spec", [dict(budget=63), dict(auto_budget=True, lookup_tokens=10)], ids=["64", "auto+lookup"])
+@pytest.mark.parametrize("spec", ["hydra:63", "hydra:auto+lookup"], ids=["64", "auto+lookup"])
 def test_hydra_greedy_fp32_equals_plain_generate(base_fp32, shipped_hydra, plain_fp32, spec):
     """The shipped Hydra heads' grown trees (and the auto-sized one with a lookup chain): same text,
     and the heads are right often enough that paths deeper than one token are accepted."""
     deepest = 0
     for prompt_ids, plain in plain_fp32:
-        session = decode(base_fp32, shipped_hydra, prompt_ids, DecodeConfig(strategy="hydra", max_new_tokens=NEW_TOKENS,
-                                                                           **spec))
+        session = decode(base_fp32, shipped_hydra, prompt_ids, DecodeConfig(spec=spec, max_new_tokens=NEW_TOKENS))
         assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
         deepest = max([deepest] + [r.outcome.accepted_length for r in session.records if r.strategy == "hydra"])
     assert deepest >= 4
@@ -70,7 +68,7 @@ def test_hydra_greedy_fp32_equals_plain_generate(base_fp32, shipped_hydra, plain
 def test_greedy_fp32_random_heads_small_budget(base_fp32, random_heads, plain_fp32):
     """Wrong guesses everywhere, a small dynamic tree and top-m 4: still the same text."""
     prompt_ids, plain = plain_fp32[0]
-    config = DecodeConfig(strategy="dynamic", budget=7, top_m=4, depth=3, max_new_tokens=NEW_TOKENS)
+    config = DecodeConfig(spec="dynamic:7", top_m=4, depth=3, max_new_tokens=NEW_TOKENS)
     session = decode(base_fp32, random_heads, prompt_ids, config)
     assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
 
@@ -80,12 +78,12 @@ def test_bf16_divergences_are_near_ties(base_bf16, mt_bench_prompts):
     rounding steps apart (read from the logits the plain run chose by, not recomputed)."""
     from core.drafters.medusa import default_heads
     heads, _ = default_heads(base_bf16.model.config.hidden_size, base_bf16.model.config.vocab_size, dtype=torch.bfloat16)
-    configs = [DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=48),
-               DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=10, max_new_tokens=48)]
+    configs = [DecodeConfig(spec="dynamic:15", max_new_tokens=48),
+               DecodeConfig(spec="dynamic:auto+lookup", max_new_tokens=48)]
     outcomes = []
     for prompt in mt_bench_prompts[5:9]:
         ids = base_bf16.chat_ids(prompt)
-        plain = decode(base_bf16, None, ids, DecodeConfig(strategy="autoregressive", max_new_tokens=48))
+        plain = decode(base_bf16, None, ids, DecodeConfig(spec="ar", max_new_tokens=48))
         margins = plain_margins(plain)
         assert len(margins) == len(plain.output_ids)
         for config in configs:
@@ -101,7 +99,7 @@ def test_bf16_divergences_are_near_ties(base_bf16, mt_bench_prompts):
 
 def test_plain_margins_are_the_logits_a_fresh_forward_gives(base_fp32, mt_bench_prompts):
     ids = base_fp32.chat_ids(mt_bench_prompts[3])
-    plain = decode(base_fp32, None, ids, DecodeConfig(strategy="autoregressive", max_new_tokens=12))
+    plain = decode(base_fp32, None, ids, DecodeConfig(spec="ar", max_new_tokens=12))
     margins = plain_margins(plain)
     for position in (0, 5, 11):
         with torch.inference_mode():
@@ -112,7 +110,7 @@ def test_plain_margins_are_the_logits_a_fresh_forward_gives(base_fp32, mt_bench_
 
 def test_commit_leaves_plain_cache(base_fp32, shipped_heads, mt_bench_prompts):
     """After each step the cache holds prompt + accepted tokens, and the next logits match plain decoding."""
-    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[10], DecodeConfig(strategy="dynamic", max_new_tokens=40))
+    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[10], DecodeConfig(spec="dynamic", max_new_tokens=40))
     for _ in range(4):
         session.step()
         emitted = session.output_ids
@@ -130,7 +128,7 @@ def test_commit_leaves_plain_cache(base_fp32, shipped_heads, mt_bench_prompts):
 
 
 def test_step_record_contents(base_fp32, shipped_heads, mt_bench_prompts):
-    config = DecodeConfig(strategy="dynamic", budget=20, compare_fixed=True, max_new_tokens=30)
+    config = DecodeConfig(spec="dynamic:20", compare_fixed=True, max_new_tokens=30)
     session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], config)
     record = session.step()
     outcome = record.outcome
@@ -151,8 +149,8 @@ def test_stops_at_limit_and_refuses_more(base_fp32, shipped_heads):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("budget", 10_000, "budget"), ("top_m", 0, "top_m"), ("depth", "4", "depth"),
-    ("max_new_tokens", -1, "max_new_tokens"), ("strategy", "beam", "strategy"),
+    ("spec", "dynamic:10000", "budget"), ("top_m", 0, "top_m"), ("depth", "4", "depth"),
+    ("max_new_tokens", -1, "max_new_tokens"), ("spec", "beam", "strategy"), ("spec", "hf:greedy", "strategy"),
 ])
 def test_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -166,8 +164,8 @@ def test_bad_sessions(base_fp32, shipped_heads):
         start_session(base_fp32, shipped_heads, "hi", DecodeConfig(depth=9))
     with pytest.raises(ValueError, match="context"):
         start_session(base_fp32, shipped_heads, list(range(9000)), DecodeConfig())
-    with pytest.raises(ValueError, match="datastore"):
-        DecodeConfig(strategy="fixed", store_tokens=8)
+    with pytest.raises(ValueError, match="store"):
+        DecodeConfig(spec="fixed+store")
 
 
 def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt_bench_prompts):
@@ -183,7 +181,7 @@ def test_small_tree_greedy_acceptance_projects_once(base_fp32, shipped_heads, mt
             calls.append(hidden.shape[0])
             return base_fp32.lm_head(hidden)
 
-    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], DecodeConfig(strategy="dynamic", budget=7))
+    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], DecodeConfig(spec="dynamic:7"))
     from core.drafters.interface import DraftContext
     proposal = session.heads_drafter.propose(DraftContext(tokens=session.output_ids, hidden=session.last_hidden))
     probs, ids = proposal.probs, proposal.token_ids  # [K, m] each
@@ -212,15 +210,15 @@ COPY_PROMPT = ("Copy this list exactly, one item per line: apples, pears, plums,
 def test_lookup_branch_greedy_fp32_equals_plain(base_fp32, shipped_heads, plain_fp32, auto):
     """The prompt-lookup chain changes which tokens are verified, never which are emitted."""
     for prompt_ids, plain in plain_fp32[:3]:
-        config = DecodeConfig(strategy="dynamic", auto_budget=auto, lookup_tokens=10, max_new_tokens=NEW_TOKENS)
+        config = DecodeConfig(spec="dynamic:auto+lookup" if auto else "dynamic+lookup", max_new_tokens=NEW_TOKENS)
         session = decode(base_fp32, shipped_heads, prompt_ids, config)
         assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
 
 
 def test_lookup_nodes_carry_copied_text(base_fp32, shipped_heads):
     """On a copying task the chain's nodes are accepted, and they hold the copied tokens."""
-    plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(strategy="autoregressive", max_new_tokens=40))
-    config = DecodeConfig(strategy="dynamic", budget=15, lookup_tokens=8, max_new_tokens=40)
+    plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(spec="ar", max_new_tokens=40))
+    config = DecodeConfig(spec="dynamic:15+lookup", lookup_tokens=8, max_new_tokens=40)
     session = decode(base_fp32, shipped_heads, COPY_PROMPT, config)
     assert session.output_ids == plain.output_ids
     accepted_lookup = 0
@@ -231,18 +229,18 @@ def test_lookup_nodes_carry_copied_text(base_fp32, shipped_heads):
             accepted_lookup += node in outcome.lookup_nodes
     assert accepted_lookup >= 5
     assert session.tokens_per_step > decode(base_fp32, shipped_heads, COPY_PROMPT,
-                                            DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=40)).tokens_per_step
+                                            DecodeConfig(spec="dynamic:15", max_new_tokens=40)).tokens_per_step
 
 
 def test_steps_without_heads_still_verify_the_lookup_chain(base_fp32, shipped_heads):
     """While auto backs off from the heads, each step verifies the lookup chain alone; still exact."""
     from core.budget.cost_profile import CostProfile
 
-    plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(strategy="autoregressive", max_new_tokens=40))
-    config = DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=8, max_new_tokens=40)
+    plain = decode(base_fp32, None, COPY_PROMPT, DecodeConfig(spec="ar", max_new_tokens=40))
+    config = DecodeConfig(spec="dynamic:auto+lookup", lookup_tokens=8, max_new_tokens=40)
     session = start_session(base_fp32, shipped_heads, COPY_PROMPT, config,
                             profile=CostProfile(sizes=[1, 128], ms=[20.0, 20.0]))
-    session.auto.plain_until = 10 ** 6  # as if the heads had stopped paying for good
+    session.controller.plain_until = 10 ** 6  # as if the heads had stopped paying for good
     records = list(session.run())
     assert session.output_ids == plain.output_ids
     assert {r.strategy for r in records} <= {"lookup", "autoregressive"}
@@ -253,6 +251,6 @@ def test_steps_without_heads_still_verify_the_lookup_chain(base_fp32, shipped_he
 
 def test_lookup_needs_the_dynamic_strategy():
     with pytest.raises(ValueError, match="dynamic"):
-        DecodeConfig(strategy="fixed", lookup_tokens=4)
+        DecodeConfig(spec="fixed+lookup", lookup_tokens=4)
     with pytest.raises(ValueError, match="lookup_tokens"):
-        DecodeConfig(lookup_tokens=99)
+        DecodeConfig(spec="dynamic+lookup", lookup_tokens=99)

@@ -9,7 +9,7 @@ import torch
 from core.decoder import DecodeConfig, decode, strategy_config
 from core.drafters.eagle import EagleConfig, EagleLayer, grow_eagle_tree, load_eagle
 from core.families import FAMILIES, MEDUSA
-from core.strategy import parse_strategy
+from core.strategy import StrategySpec, parse_strategy
 from core.verify import forward_tokens
 from tests.tiny import greedy_reference, tiny_base, tiny_eagle, tiny_heads, tiny_hydra
 
@@ -98,10 +98,10 @@ def test_every_family_round_trips_the_grammar_and_decodes_like_plain(base):
             assert max(r.outcome.tree.num_nodes for r in session.records) > 1, name
 
 
-@pytest.mark.parametrize("spec", [dict(budget=20), dict(budget=40, auto_budget=True, lookup_tokens=8)])
+@pytest.mark.parametrize("spec", [StrategySpec("eagle", budget=20), StrategySpec("eagle", budget=40, auto=True, lookup=True)])
 def test_eagle_greedy_equals_plain_and_reads_the_whole_answer(base, eagle, spec):
     expected = greedy_reference(base, PROMPT, 48)
-    session = decode(base, eagle, PROMPT, DecodeConfig(strategy="eagle", max_new_tokens=48, top_m=8, **spec))
+    session = decode(base, eagle, PROMPT, DecodeConfig(spec=spec, max_new_tokens=48, top_m=8, lookup_tokens=8))
     assert session.output_ids == expected
     # one feature row per emitted token, each low | mid | high
     assert sum(len(chunk) for chunk in session.feature_history) == len(session.output_ids)
@@ -134,20 +134,20 @@ def test_eagle_saves_loads_and_refuses_other_weights(eagle, tmp_path):
     for key, value in eagle.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     tiny_hydra(tiny_base("llama")).save(tmp_path / "hydra")
-    with pytest.raises(ValueError, match="does not hold an EAGLE draft layer"):
+    with pytest.raises(ValueError, match="does not hold eagle weights"):
         load_eagle(tmp_path / "hydra")
 
 
 def test_eagle_refuses_medusa_heads(base):
     with pytest.raises(ValueError, match="needs an EAGLE draft layer"):
-        decode(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="eagle", max_new_tokens=4))
+        decode(base, tiny_heads(base), PROMPT, DecodeConfig(spec="eagle", max_new_tokens=4))
 
 
 def test_eagle_steps_draw_in_every_view(base, eagle):
     from viz.text_html import heads_html
     from viz.tree_plot import tree_figure
     from viz.verify_view import verification_html
-    session = decode(base, eagle, PROMPT, DecodeConfig(strategy="eagle", budget=20, top_m=6, max_new_tokens=12))
+    session = decode(base, eagle, PROMPT, DecodeConfig(spec="eagle:20", top_m=6, max_new_tokens=12))
     record = max(session.records, key=lambda r: r.outcome.tree.num_nodes)
     assert record.outcome.grown and record.outcome.tree.num_nodes == 20
     assert len(tree_figure(record.outcome, "EAGLE", "", None).data) > 0

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from offline.datagen import ContinuousBatcher
 from core.decoder import DecodeConfig, decode, start_session
+from core.strategy import StrategySpec
 from core.engine import (BUCKET_TIMING_ROWS, LEAN_MODEL_TYPES, ROW_BUCKETS, LeanLlama, Matmul, StaticCache, fastest,
                          time_kernels)
 from core.kvcache import keep_accepted, truncate
@@ -182,13 +183,13 @@ def test_greedy_decoding_on_either_forward_equals_generate(engine: str, strategy
     assert base.engine_name == engine
     heads = tiny_heads(base)
     plain = greedy_reference(base, PROMPT, 40)
-    config = DecodeConfig(strategy=strategy, budget=15, max_new_tokens=40)
+    config = DecodeConfig(spec=StrategySpec(strategy).with_budget(15), max_new_tokens=40)
     assert decode(base, heads if strategy != "autoregressive" else None, PROMPT, config).output_ids == plain
 
 
 def test_a_forked_session_keeps_its_own_static_cache():
     base = tiny_base("llama")
-    session = start_session(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="dynamic", max_new_tokens=30))
+    session = start_session(base, tiny_heads(base), PROMPT, DecodeConfig(spec="dynamic", max_new_tokens=30))
     session.step()
     twin = session.fork(seed=1)
     for _ in range(3):
@@ -305,7 +306,7 @@ def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     assert dtype == torch.bfloat16 and next(drafting.parameters()).dtype == torch.bfloat16
     assert next(heads.parameters()).dtype == torch.float32  # the shared heads are never changed
     strategy = "dynamic" if family == "medusa" else "hydra"
-    session = decode(base, heads, PROMPT, DecodeConfig(strategy=strategy, budget=15, max_new_tokens=40))
+    session = decode(base, heads, PROMPT, DecodeConfig(spec=StrategySpec(strategy).with_budget(15), max_new_tokens=40))
     assert session.output_ids == greedy_reference(base, PROMPT, 40)
     assert any(len(r.outcome.accepted_nodes) > 1 for r in session.records) or family == "hydra"
 

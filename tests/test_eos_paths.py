@@ -15,8 +15,7 @@ def _session_with_eos_at_second_token():
     base = tiny_base("llama")
     greedy = greedy_reference(base, PROMPT, 4)  # root, g1, g2, g3 (no EOS yet)
     base.model.generation_config.eos_token_id = greedy[2]  # g2 now ends the text
-    config = DecodeConfig(strategy="dynamic", budget=3, top_m=4, depth=3, compare_fixed=True,
-                          fixed_tree=((0,), (0, 0), (0, 0, 0)))
+    config = DecodeConfig(spec="dynamic:3", top_m=4, depth=3, compare_fixed=True, fixed_tree=((0,), (0, 0), (0, 0, 0)))
     session = start_session(base, tiny_heads(base, num_heads=3), PROMPT, config)
     assert session.root_token == greedy[0]
     ids = torch.tensor([[greedy[1], 1, 2, 3], [greedy[2], 4, 5, 6], [greedy[3], 7, 8, 9]])  # [D, m] right guesses first
@@ -26,7 +25,7 @@ def _session_with_eos_at_second_token():
 
 def test_the_step_tree_stops_at_eos():
     session, proposal, greedy = _session_with_eos_at_second_token()
-    draft = session._build(proposal, [], max_depth=3)
+    draft = session._build(proposal, [], session.controller.plan(session.config.budget), max_depth=3)
     assert (0, 0, 0) not in draft.tree  # nothing below the EOS node
     outcome = session._accept(draft, session._verify(draft))
     assert outcome.accepted_tokens == greedy[1:3]  # g1, then EOS, and nothing after it
@@ -34,8 +33,8 @@ def test_the_step_tree_stops_at_eos():
 
 def test_the_fixed_tree_comparison_stops_at_eos():
     session, proposal, greedy = _session_with_eos_at_second_token()
-    draft = session._build(proposal, [], max_depth=3)
-    comparison, _ = session._verify_asides(proposal, draft, max_depth=3)
+    draft = session._build(proposal, [], session.controller.plan(session.config.budget), max_depth=3)
+    comparison = session._asides(proposal, [], draft, session.controller.plan(session.config.budget), max_depth=3).comparison
     assert comparison.accepted_tokens == greedy[1:3]
     assert comparison.tree.num_nodes == 2
 
@@ -48,7 +47,6 @@ def test_the_fixed_tree_comparison_does_not_change_sampled_text():
     base = tiny_base("llama")
     heads = tiny_heads(base, num_heads=4)
     accept = AcceptConfig(rule="typical", sampling=SamplingConfig(temperature=0.9))
-    outputs = [decode(base, heads, PROMPT, DecodeConfig(strategy="dynamic", budget=12, max_new_tokens=40, seed=3,
-                                                        accept=accept, compare_fixed=compare)).output_ids
+    outputs = [decode(base, heads, PROMPT, DecodeConfig(spec="dynamic:12", max_new_tokens=40, seed=3, accept=accept, compare_fixed=compare)).output_ids
                for compare in (False, True)]
     assert outputs[0] == outputs[1]

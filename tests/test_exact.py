@@ -125,12 +125,12 @@ def test_greedy_equals_plain_with_every_tiny_drafter():
     base = tiny_base("llama")
     prompt = list(range(40, 60))
     plain = greedy_reference(base, prompt, 40)
-    own_plain = decode(base, None, prompt, DecodeConfig(strategy="autoregressive", max_new_tokens=40)).output_ids
+    own_plain = decode(base, None, prompt, DecodeConfig(spec="ar", max_new_tokens=40)).output_ids
     assert own_plain == plain
     heads, hydra = tiny_heads(base), tiny_hydra(base)
-    for heads_used, config in [(heads, DecodeConfig(strategy="dynamic", budget=40, max_new_tokens=40)),
-                               (heads, DecodeConfig(strategy="fixed", max_new_tokens=40)),
-                               (hydra, DecodeConfig(strategy="hydra", budget=30, max_new_tokens=40))]:
+    for heads_used, config in [(heads, DecodeConfig(spec="dynamic:40", max_new_tokens=40)),
+                               (heads, DecodeConfig(spec="fixed", max_new_tokens=40)),
+                               (hydra, DecodeConfig(spec="hydra:30", max_new_tokens=40))]:
         session = decode(base, heads_used, prompt, config)
         assert session.output_ids == own_plain
         # the drafts' vocabulary projection runs through the kernels too (bf16 rows here)
@@ -204,16 +204,15 @@ def test_every_strategy_equals_plain_greedy_on_the_shipped_model(precision, ship
     hydra = shipped_hydra if precision != "bf16" else default_hydra_heads(dtype=torch.bfloat16)
     eagle = default_eagle(dtype=base.dtype)
     assert eagle is not None, "assets/eagle is missing"
-    configs = [(heads, DecodeConfig(strategy="dynamic", budget=63, max_new_tokens=48)),
-               (heads, DecodeConfig(strategy="fixed", max_new_tokens=48)),
-               (heads, DecodeConfig(strategy="dynamic", auto_budget=True, lookup_tokens=10, store_tokens=8,
-                                    max_new_tokens=48)),
-               (hydra, DecodeConfig(strategy="hydra", budget=63, max_new_tokens=48)),
-               (eagle, DecodeConfig(strategy="eagle", budget=63, max_new_tokens=48)),
-               (eagle, DecodeConfig(strategy="eagle", auto_budget=True, lookup_tokens=10, max_new_tokens=48))]
+    configs = [(heads, DecodeConfig(spec="dynamic:63", max_new_tokens=48)),
+               (heads, DecodeConfig(spec="fixed", max_new_tokens=48)),
+               (heads, DecodeConfig(spec="dynamic:auto+lookup+store", max_new_tokens=48)),
+               (hydra, DecodeConfig(spec="hydra:63", max_new_tokens=48)),
+               (eagle, DecodeConfig(spec="eagle:63", max_new_tokens=48)),
+               (eagle, DecodeConfig(spec="eagle:auto+lookup", max_new_tokens=48))]
     for prompt in mt_bench_prompts[5:8]:
         ids = base.chat_ids(prompt)
-        plain = decode(base, None, ids, DecodeConfig(strategy="autoregressive", max_new_tokens=48)).output_ids
+        plain = decode(base, None, ids, DecodeConfig(spec="ar", max_new_tokens=48)).output_ids
         for heads_used, config in configs:
             assert decode(base, heads_used, ids, config).output_ids == plain, (precision, config.strategy)
 

@@ -5,6 +5,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from core.strategy import StrategySpec
 from core.drafters.medusa import MIN_DEPTH_VOCAB, HeadsConfig, MedusaHeads, load_heads, load_official_medusa
 
 
@@ -191,7 +192,7 @@ def test_greedy_with_int8_bf16_drafts_stays_exact(monkeypatch):
     prompt = list(b"the cat sat on the mat and the cat sat on the")
     expected = greedy_reference(base, prompt, 32)
     for heads, strategy in ((tiny_heads(base, seed=3), "dynamic"), (tiny_hydra(base, seed=3), "hydra")):
-        session = decode(base, heads, prompt, DecodeConfig(strategy=strategy, max_new_tokens=32, top_m=8, budget=16))
+        session = decode(base, heads, prompt, DecodeConfig(spec=StrategySpec(strategy).with_budget(16), max_new_tokens=32, top_m=8))
         assert session.output_ids == expected
         products = session.heads_drafter.projection.products.values()
         assert products and all(isinstance(p, medusa.Int8Product) for p in products)

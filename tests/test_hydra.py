@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.decoder import DecodeConfig, decode
+from core.strategy import StrategySpec
 from core.drafters.hydra import HydraConfig, HydraHeads, grow_tree, load_hydra_heads
 from offline.train import Features, draft_loss, train_vocab
 from offline.train_hydra import hydra_loss
@@ -37,7 +38,7 @@ def test_save_and_load_round_trip(hydra, tmp_path):
 
 def test_medusa_folder_is_not_hydra(base, tmp_path):
     tiny_heads(base).save(tmp_path)
-    with pytest.raises(ValueError, match="Hydra"):
+    with pytest.raises(ValueError, match="hydra weights"):
         load_hydra_heads(tmp_path)
 
 
@@ -84,10 +85,11 @@ def test_children_depend_on_the_path(base):
     assert len({tuple(sorted(c)) for c in children.values()}) > 1
 
 
-@pytest.mark.parametrize("spec", [dict(budget=12), dict(budget=40, auto_budget=True), dict(budget=20, lookup_tokens=8)])
+@pytest.mark.parametrize("spec", [StrategySpec("hydra", budget=12), StrategySpec("hydra", budget=40, auto=True),
+                                  StrategySpec("hydra", budget=20, lookup=True)])
 def test_hydra_greedy_fp32_equals_generate(base, hydra, spec):
     expected = greedy_reference(base, PROMPT, 48)
-    session = decode(base, hydra, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=48, top_m=8, **spec))
+    session = decode(base, hydra, PROMPT, DecodeConfig(spec=spec, max_new_tokens=48, top_m=8, lookup_tokens=8))
     assert session.output_ids == expected
     assert all(r.strategy in ("hydra", "lookup", "autoregressive") for r in session.records)
 
@@ -105,13 +107,13 @@ def test_depth_vocabulary_limits_each_depth_and_stays_exact(base, hydra):
         assert table[len(path) - 1][path[-1]] in limited.draft_vocab[: sizes[len(path) - 1]].tolist()
     assert max(len(p) for p in grown.tree.paths) == 4
     expected = greedy_reference(base, PROMPT, 32)
-    session = decode(base, limited, PROMPT, DecodeConfig(strategy="hydra", budget=24, top_m=8, max_new_tokens=32))
+    session = decode(base, limited, PROMPT, DecodeConfig(spec="hydra:24", top_m=8, max_new_tokens=32))
     assert session.output_ids == expected
 
 
 def test_hydra_strategy_refuses_medusa_heads(base):
     with pytest.raises(ValueError, match="Hydra heads"):
-        decode(base, tiny_heads(base), PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=4))
+        decode(base, tiny_heads(base), PROMPT, DecodeConfig(spec="hydra", max_new_tokens=4))
 
 
 def test_hydra_loss_reads_the_true_path():
@@ -152,7 +154,7 @@ def test_hydra_steps_draw_in_every_view(base, hydra):
     from viz.text_html import heads_html
     from viz.tree_plot import tree_figure
     from viz.verify_view import verification_html
-    session = decode(base, hydra, PROMPT, DecodeConfig(strategy="hydra", budget=20, top_m=6, max_new_tokens=12))
+    session = decode(base, hydra, PROMPT, DecodeConfig(spec="hydra:20", top_m=6, max_new_tokens=12))
     record = max(session.records, key=lambda r: r.outcome.tree.num_nodes)
     assert record.outcome.grown and record.outcome.tree.num_nodes == 20
     ranks = record.outcome.sibling_ranks()
@@ -210,27 +212,28 @@ def test_prefix_layer_saves_loads_and_refuses_a_mismatch(base, tmp_path):
         load_hydra_heads(tmp_path / "with")
 
 
-@pytest.mark.parametrize("spec", [dict(budget=12), dict(budget=40, auto_budget=True), dict(budget=20, lookup_tokens=8)])
+@pytest.mark.parametrize("spec", [StrategySpec("hydra", budget=12), StrategySpec("hydra", budget=40, auto=True),
+                                  StrategySpec("hydra", budget=20, lookup=True)])
 def test_hydra_with_a_prefix_layer_stays_exact_and_reads_the_whole_answer(base, spec):
     """fp32 greedy with prefix-layer heads equals plain greedy; the drafter's prefix cache holds
     one position per answer token so far (the prefill's last, then every accepted one), and the
     heads' trees differ from those of the same heads without the layer."""
     heads = tiny_hydra(base, prefix_layer=True)
     expected = greedy_reference(base, PROMPT, 40)
-    session = decode(base, heads, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=40, top_m=8, **spec))
+    session = decode(base, heads, PROMPT, DecodeConfig(spec=spec, max_new_tokens=40, top_m=8, lookup_tokens=8))
     assert session.output_ids == expected
     drafter = session.heads_drafter
     assert sum(len(chunk) for chunk in session.hidden_history) == len(session.output_ids)
     assert drafter.prefix_cache is not None and drafter.prefix_cache.length <= len(session.output_ids)
     plain = tiny_hydra(base)  # the same heads (same seed) without the prefix layer
-    without = decode(base, plain, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=40, top_m=8, **spec))
+    without = decode(base, plain, PROMPT, DecodeConfig(spec=spec, max_new_tokens=40, top_m=8, lookup_tokens=8))
     assert without.output_ids == expected
     trees = lambda s: [r.outcome.node_tokens for r in s.records]  # noqa: E731
     assert trees(session) != trees(without)
 
 
 def test_sessions_without_a_prefix_layer_keep_no_hidden_states(base, hydra):
-    session = decode(base, hydra, PROMPT, DecodeConfig(strategy="hydra", max_new_tokens=8, top_m=8))
+    session = decode(base, hydra, PROMPT, DecodeConfig(spec="hydra", max_new_tokens=8, top_m=8))
     assert not session.keeps_history and session.hidden_history == []
 
 

@@ -86,22 +86,21 @@ def test_profile_key_knows_the_machine_and_the_software(monkeypatch):
 
 def test_auto_budget_stays_lossless(base_fp32, shipped_heads, mt_bench_prompts):
     for prompt in mt_bench_prompts[20:22]:
-        plain = decode(base_fp32, None, prompt, DecodeConfig(strategy="autoregressive", max_new_tokens=32))
+        plain = decode(base_fp32, None, prompt, DecodeConfig(spec="ar", max_new_tokens=32))
         for profile in (FLAT, STEEP):
             auto = decode(base_fp32, shipped_heads, prompt,
-                          DecodeConfig(strategy="dynamic", auto_budget=True, max_new_tokens=32), profile=profile)
+                          DecodeConfig(spec="dynamic:auto", max_new_tokens=32), profile=profile)
             assert auto.output_ids == plain.output_ids
 
 
 def test_auto_falls_back_to_plain_steps_when_speculation_cannot_pay(base_fp32, shipped_heads, mt_bench_prompts):
     """A verify that costs 20x a single token: the session runs plain steps, stays lossless. (Since
-    round 15 the loss budget sees that no tree could fit it and never pays for drafting at all;
+    round 15 the loss allowance sees that no tree could fit it and never pays for drafting at all;
     before, the session drafted and verified a few trees first.)"""
     hopeless = CostProfile(sizes=[1, 2, 128], ms=[40.0, 800.0, 1000.0])
     prompt = mt_bench_prompts[3]
-    plain = decode(base_fp32, None, prompt, DecodeConfig(strategy="autoregressive", max_new_tokens=24))
-    auto = decode(base_fp32, shipped_heads, prompt, DecodeConfig(strategy="dynamic", auto_budget=True,
-                                                                  max_new_tokens=24), profile=hopeless)
+    plain = decode(base_fp32, None, prompt, DecodeConfig(spec="ar", max_new_tokens=24))
+    auto = decode(base_fp32, shipped_heads, prompt, DecodeConfig(spec="dynamic:auto", max_new_tokens=24), profile=hopeless)
     kinds = [r.strategy for r in auto.records]
     assert auto.output_ids == plain.output_ids
     assert kinds == ["autoregressive"] * len(kinds)

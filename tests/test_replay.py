@@ -73,7 +73,7 @@ def test_two_drafters_grow_their_trees_from_the_same_context_and_change_nothing(
     base = tiny_base("llama")
     medusa, hydra = tiny_heads(base), tiny_hydra(base)
     heads, rival = (hydra, medusa) if family == "hydra" else (medusa, hydra)
-    config = DecodeConfig(strategy=family, budget=10, top_m=8, max_new_tokens=12)
+    config = DecodeConfig(spec=f"{family}:10", top_m=8, max_new_tokens=12)
     alone = start_session(base, heads, PROMPT, config)
     beside = start_session(base, heads, PROMPT, replace(config, compare_rival=True), rival=rival)
     for session in (alone, beside):

@@ -7,15 +7,12 @@ tests/test_browser.py puts its own (MEDUSA_LAB_SCREENSHOTS, else a temporary fol
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, REPO, STEPS_JS, TREE_POINTS_JS, _free_port, _wait_http,
-                                playwright_api)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, STEPS_JS, TREE_POINTS_JS, playwright_api, running_app
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")]
@@ -24,20 +21,8 @@ STATUS_JS = """(text) => (document.querySelector('#status') || {}).textContent?.
 
 @pytest.fixture(scope="module")
 def replay_server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("replay") / "app.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False"}
-    launched = time.perf_counter()
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "app.py", "--replay-only", "--port", str(port)], cwd=REPO,
-                                   env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        _wait_http(url, process, 120)
-        yield url, launched
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
+    with running_app(tmp_path_factory.mktemp("replay") / "app.log", "--replay-only") as started:
+        yield started
 
 
 def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server, tmp_path):

@@ -79,7 +79,7 @@ def plain_greedy():
 
     def run(prompt: str, max_new_tokens: int = SETTINGS["max_new_tokens"]) -> list[int]:
         if (prompt, max_new_tokens) not in cache:
-            config = DecodeConfig(strategy="autoregressive", max_new_tokens=max_new_tokens)
+            config = DecodeConfig(spec="ar", max_new_tokens=max_new_tokens)
             cache[prompt, max_new_tokens] = decode(base, None, prompt, config).output_ids
         return cache[prompt, max_new_tokens]
 

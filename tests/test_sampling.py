@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, start_session
+from core.strategy import StrategySpec
 from core.drafters.medusa import HeadsConfig, MedusaHeads
 from core.drafters.datastore import TokenStore
 from core.drafters.hydra import HydraConfig, HydraHeads
@@ -64,9 +65,9 @@ def draw_counts(base: BaseModel, heads: MedusaHeads | HydraHeads, rule: str, sam
                 draws: int = DRAWS, store: TokenStore | None = None) -> torch.Tensor:
     counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
     strategy = "hydra" if isinstance(heads, HydraHeads) else "dynamic"
-    config = DecodeConfig(strategy=strategy, budget=10, top_m=3, depth=3, max_new_tokens=3, record_texts=False,
-                          accept=AcceptConfig(rule=rule, sampling=sampling), hydra_beam=3,
-                          lookup_tokens=3 if store is not None else 0, store_tokens=3 if store is not None else 0)
+    spec = StrategySpec(strategy, budget=10, lookup=store is not None, store=store is not None)
+    config = DecodeConfig(spec=spec, top_m=3, depth=3, max_new_tokens=3, record_texts=False,
+                          accept=AcceptConfig(rule=rule, sampling=sampling), hydra_beam=3, lookup_tokens=3, store_tokens=3)
     root_session = start_session(base, heads, PROMPT, config, store=store)
     first_token_probs = sampling_probs(base.model(input_ids=torch.tensor([PROMPT])).logits[0, -1], sampling)
     generator = torch.Generator().manual_seed(1234)
@@ -157,8 +158,7 @@ SHIPPED_DRAWS = 600
 def test_shipped_model_speculative_sampling_matches_plain(base_fp32, shipped_heads):
     """The token after the root (head-proposed or bonus) follows the base distribution exactly."""
     sampling = SamplingConfig(temperature=1.0)
-    config = DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=8, record_texts=False,
-                          accept=AcceptConfig(rule="speculative", sampling=sampling))
+    config = DecodeConfig(spec="dynamic:15", max_new_tokens=8, record_texts=False, accept=AcceptConfig(rule="speculative", sampling=sampling))
     start = start_session(base_fp32, shipped_heads, "Write one sentence about the sea.", config)
     with torch.inference_mode():
         ids = torch.tensor([start.prompt_ids + [start.root_token]])

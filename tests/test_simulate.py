@@ -11,8 +11,8 @@ from offline.simulate import parse_tree_spec, simulate
 
 
 @pytest.mark.parametrize("spec, config", [
-    ("fixed:mc_sim_7b_63", DecodeConfig(strategy="fixed", max_new_tokens=48)),
-    ("dynamic:15", DecodeConfig(strategy="dynamic", budget=15, max_new_tokens=48)),
+    ("fixed:mc_sim_7b_63", DecodeConfig(spec="fixed", max_new_tokens=48)),
+    ("dynamic:15", DecodeConfig(spec="dynamic:15", max_new_tokens=48)),
 ])
 def test_simulation_matches_decoder(base_fp32, shipped_heads, mt_bench_prompts, spec, config, monkeypatch):
     # the heads draft in fp32 here: where bf16 is fast they draft in bf16, and a bf16 product of one

@@ -30,13 +30,13 @@ def test_every_strategy_the_ui_offers_parses_in_the_benchmark_grammar_and_back()
         assert settings.spec == spec and settings.raw()["strategy"] == text
         ui_config, _ = labstate.decode_config(settings, num_heads=4)
         bench = bench_config(text, DecodeConfig())
-        for field in ("strategy", "auto_budget", "lookup_tokens", "store_tokens"):
-            assert getattr(ui_config, field) == getattr(bench, field), (text, field)
+        assert ui_config.spec == bench.spec.with_budget(settings.budget), text
 
 
 def test_aliases_and_addition_order_normalise():
     assert parse_strategy("autoregressive").text == "ar"
     assert parse_strategy(" dynamic:auto+store+lookup ").text == "dynamic:auto+lookup+store"
+    assert parse_strategy("hydra+lookup") == parse_strategy("hydra:+lookup") == StrategySpec(HYDRA, lookup=True)
     assert labstate.parse_settings({"strategy": "autoregressive"}).ui_strategy == "ar"
 
 
@@ -44,7 +44,8 @@ def test_aliases_and_addition_order_normalise():
     ("", "non-empty"), ("beam", "unknown strategy"), ("dynamic:auto+magic", "addition"),
     ("dynamic:+lookup+lookup", "repeated"), ("dynamic:12x", "whole number or auto"), ("dynamic:0", "from 1 to"),
     (f"dynamic:{MAX_BUDGET + 1}", "from 1 to"), ("ar@fast", "@lean or @hf"), ("hf:beam", "peers"), ("hf", "peers"),
-    ("fixed:auto+lookup", None), ("ar:5", "unknown strategy"),
+    ("fixed:auto+lookup", None), ("ar:5", "unknown strategy"), ("fixed+lookup", "take \\+lookup"),
+    ("ar+store", "take \\+lookup"),
 ])
 def test_malformed_strategies_say_what_the_grammar_is(text, message):
     if message is None:  # a fixed tree name is free text; it fails where the tree is looked up
@@ -66,6 +67,7 @@ def test_specs_refuse_what_their_family_does_not_take():
 
 def test_decode_configs_follow_the_spec():
     config = strategy_config(parse_strategy("hydra:40+lookup+store"))
+    assert config.spec == parse_strategy("hydra:40+lookup+store") == DecodeConfig(spec="hydra:40+lookup+store").spec
     assert (config.strategy, config.budget, config.auto_budget) == (HYDRA, 40, False)
     assert (config.lookup_tokens, config.store_tokens) == (LOOKUP_TOKENS, STORE_TOKENS)
     assert strategy_config(parse_strategy("fixed:calibrated")).fixed_tree == "calibrated"

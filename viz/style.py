@@ -14,6 +14,8 @@ ROOT = "#475569"  # slate: the root, already emitted by the previous step
 EDGE = "#cbd5e1"
 GRID = "#e2e8f0"
 TEXT = "#0f172a"
+UNVERIFIED = "#94a3b8"  # grey: proposed by the drafters, not verified this step (the budget's cut)
+UNVERIFIED_OPACITY = 0.3
 FONT = "Inter, 'DejaVu Sans', Arial, sans-serif"
 
 # joint probability -> colour (log scale from 1e-4 to 1)

@@ -12,7 +12,8 @@ Format (version 2), one JSON object:
   probabilities, the verified tree (`outcome`: rank paths, scores, node tokens and texts, sources,
   accepted path, bonus token, the base model's argmax after each node), the fixed-tree
   counterfactual (`comparison`), the other heads family's tree on the same context (`rival`: Hydra
-  beside Medusa or Medusa beside Hydra), phase times, the controller's state;
+  beside Medusa or Medusa beside Hydra), the whole tree the drafters proposed where the step
+  verified a part of it (`proposal`; absent in older traces), phase times, the controller's state;
 - `meta`: free-form extras (the run summary, the DecodeConfig, prefill time; a gallery entry adds
   `title`, `notice` and per-step `notes`).
 
@@ -73,7 +74,7 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
     data = to_jsonable(record)
     data["times"]["total"] = to_jsonable(record.times.total)
     data["outcome"]["accepted_length"] = record.outcome.accepted_length
-    for name in ("comparison", "rival"):
+    for name in ("comparison", "rival", "proposal"):
         if getattr(record, name) is not None:
             data[name]["accepted_length"] = getattr(record, name).accepted_length
     return data
@@ -85,7 +86,7 @@ def _drawn_tokens(facts: RunFacts) -> set[int]:
         tokens.update(record.outcome.node_tokens)
         tokens.add(record.outcome.bonus_token)
         tokens.update(t for row in record.head_token_ids for t in row)
-        for other in (record.comparison, record.rival):
+        for other in (record.comparison, record.rival, record.proposal):
             if other is not None:
                 tokens.update(other.node_tokens)
                 tokens.add(other.bonus_token)
@@ -173,7 +174,8 @@ def _step(data: dict, number: int) -> StepRecord:
         times=PhaseTimes(**times), comparison=None if data.get("comparison") is None else _outcome(data["comparison"]),
         head_texts=[_strs(row) for row in data.get("head_texts", [])],
         top_logits=None if top is None else (_float(top[0]), _float(top[1])), controller=str(data.get("controller", "")),
-        rival=None if data.get("rival") is None else _outcome(data["rival"]))
+        rival=None if data.get("rival") is None else _outcome(data["rival"]),
+        proposal=None if data.get("proposal") is None else _outcome(data["proposal"]))
     if record.index != number:
         raise ValueError(f"step {number + 1} says it is step {record.index + 1}")
     return record

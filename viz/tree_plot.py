@@ -232,10 +232,12 @@ def _frame(layout: TreeLayout, bonus_x: float, plot_height: float) -> Frame:
                  width=width, height=plot_height)
 
 
-def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: TokenBytes | None = None) -> go.Figure:
+def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: TokenBytes | None = None,
+                unverified: frozenset[int] = frozenset()) -> go.Figure:
     """The verified tree of one step: nodes by joint probability, accepted path and bonus token highlighted.
 
     `note` is added to the subtitle (why the tree is shallower than allowed, how the bonus was chosen).
+    `unverified`: nodes of a proposal the step did not verify, drawn faded on grey edges.
     Works for the autoregressive case (a root-only tree) and for trees of a few hundred nodes.
     """
     tree = outcome.tree
@@ -261,11 +263,15 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     labels = _labels(frame, layout, texts, sizes, order, reserved)
 
     fig = style.new_figure()
-    plain_edges = [(parents[i], i) for i in range(1, len(parents)) if i not in accepted_set]
+    plain_edges = [(parents[i], i) for i in range(1, len(parents)) if i not in accepted_set and i not in unverified]
     path_edges = list(zip(accepted[:-1], accepted[1:]))
     xs, ys = _edge_xy(layout, plain_edges)
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.EDGE, "width": 1.2},
                              hoverinfo="skip", name="candidate edge", showlegend=False))
+    if unverified:
+        xs, ys = _edge_xy(layout, [(parents[i], i) for i in sorted(unverified)])
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.UNVERIFIED, "width": 1, "dash": "dot"},
+                                 hoverinfo="skip", name="proposed, not verified (the budget's cut)", showlegend=True))
     xs, ys = _edge_xy(layout, path_edges) if path_edges else ([None], [None])  # keeps the legend entry
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.ACCEPTED, "width": 5},
                              hoverinfo="skip", name="accepted path", showlegend=True))
@@ -275,13 +281,16 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     fig.add_trace(go.Scatter(
         x=layout.x, y=layout.y, mode="markers+text", name="candidate (colour = joint p)",
         text=labels, textposition=["middle left"] + ["middle right"] * (len(texts) - 1),
-        textfont={"size": FONT_PX, "color": style.TEXT}, cliponaxis=False,
+        textfont={"size": FONT_PX, "color": [style.UNVERIFIED if i in unverified else style.TEXT
+                                             for i in range(len(texts))]}, cliponaxis=False,
         hovertext=[_hover(i, texts[i], outcome.node_tokens[i], depths[i], ranks[i], marginals[i], scores[i],
                           i in accepted_set, outcome.node_source(i) if i in copied else "")
+                   + ("<br><i>proposed, not verified this step</i>" if i in unverified else "")
                    for i in range(len(texts))],
         hoverinfo="text",
         marker={
             "size": sizes,
+            "opacity": [style.UNVERIFIED_OPACITY if i in unverified else 1.0 for i in range(len(texts))],
             "symbol": ["diamond" if i in copied else "circle" for i in range(len(texts))],
             "color": [_log_prob(p) for p in scores],
             "colorscale": style.PROB_COLORSCALE, "cmin": style.LOG_PROB_FLOOR, "cmax": 0.0,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from core.families import FAMILIES
-from core.strategy import LOOKUP
+from core.strategy import AUTOREGRESSIVE, LOOKUP
 from viz.facts import RunFacts, RunStats, loops, summary, token_sources
 from viz.mask_plot import mask_figure
 from viz.text_html import emitted_tokens, heads_html, sources_note, stats_html, text_html
@@ -78,13 +78,31 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
     return View(
         status=_status(facts, message, index), stats=_stats(facts), text=_text(facts, index),
         plain_text=facts.text, summary=summary(facts, index), step_slider=StepControl(len(records), index + 1),
-        tree=tree_figure(record.outcome, tree_title(facts, record), note, facts.token_bytes),
+        tree=_tree(facts, record, note),
         tree_compare=_comparison(facts, record), heads=heads_html(record, facts.token_bytes),
         mask=mask_figure(record.outcome, record.context_length, facts.token_bytes),
         phases=phase_figure(records, index), accepted=accepted_figure(records, index),
         cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
                                                                                    facts.token_bytes),
         tree_rival=_rival(facts, record), notice=_notice(facts, index))
+
+
+def _tree(facts: RunFacts, record: StepRecord, note: str) -> Any:
+    """The step's tree: the drafters' whole proposal where the step verified a part of it (the rest
+    faded), else the verified tree."""
+    proposal = record.proposal
+    if proposal is None:
+        return tree_figure(record.outcome, tree_title(facts, record), note, facts.token_bytes)
+    unverified = record.outcome.unverified_in(proposal)
+    verified = proposal.tree.num_nodes - len(unverified)
+    if record.controller == "probing":
+        why = "none verified: this step is plain, to measure plain decoding's speed (faded: proposed, not verified)"
+    elif record.strategy in (LOOKUP, AUTOREGRESSIVE):
+        why = "none verified: the heads had not paid lately, so the auto budget skipped them (faded)"
+    else:
+        why = f"the budget verified the best {verified} (faded: proposed, not verified)"
+    note = "; ".join(n for n in (f"{proposal.tree.num_nodes} nodes proposed, {why}", note) if n)
+    return tree_figure(proposal, tree_title(facts, record), note, facts.token_bytes, unverified=unverified)
 
 
 def _status(facts: RunFacts, message: str, index: int | None = None) -> str:

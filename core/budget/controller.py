@@ -17,16 +17,23 @@ Probes that agree with what was measured come rarer (up to MAX_PROBE_EVERY steps
 No lock-in: a back-off acts on the tree steps measured so far, which then no longer count (the
 next decision needs fresh ones); the heads' calibration fades (`DepthCalibration`); a head step
 that verified the root alone counts in no measured rate; and once no tree ran for `explore_after`
-steps (a whole back-off, or a spent loss budget), one step verifies the best node anyway
+steps (a whole back-off, or a spent loss allowance), one step verifies the best node anyway
 ("exploring"), so the heads' evidence can change. Explores that fail come rarer (doubling up to
 MAX_EXPLORE_AFTER steps apart); a tree the heads got right brings them back to MIN_EXPLORE_AFTER.
-`state` names what the controller does each step; the decoder keeps it in the step record.
+`state` names what the controller does each step (a `ControllerState`); the decoder keeps it in the
+step record.
 
-A loss budget bounds what the heads may cost a run (`LossLedger`): every step that ran the heads
-is charged its measured time minus what its tokens would have cost at the rate of the run's steps
-without the heads (a paying tree books a gain; gains fade by GAIN_DECAY per step, losses never).
-The budget is LEDGER_START_STEPS plain steps plus LOSS_SHARE of the run's time so far, and a tree
-is only verified if it stays within the budget when it accepts nothing: the tree is cut to the
+The decoder reaches it through one entry point per phase: `plan` before drafting (which drafters run,
+and the step's node budget: the most nodes drafted, built and verified), `choose` once the tree is
+built (the prefix worth verifying), `observe` after the step. A strategy without `auto` gets a
+`FixedBudget` with the same three methods, so the decoder never asks whether a controller exists.
+
+A loss allowance bounds what the heads may cost a run (`LossLedger`; "budget" means nodes): every
+step that ran the heads is charged its measured time minus what its tokens would have cost at the
+rate of the run's steps without the heads (a paying tree books a gain; gains fade by GAIN_DECAY per
+step, losses never).
+The allowance is LEDGER_START_STEPS plain steps plus LOSS_SHARE of the run's time so far, and a tree
+is only verified if it stays within the allowance when it accepts nothing: the tree is cut to the
 largest prefix whose cost beyond a plain step fits the room left, and the heads are skipped when
 not even one node fits, except for explores (one node, charged like any other step). So trees
 grow as they earn, and a run the heads cannot guess loses about half a plain step plus LOSS_SHARE
@@ -37,7 +44,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable
+from enum import StrEnum
+from typing import Callable, Protocol
 
 from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, plain_rate
 from core.records import StepRecord
@@ -77,9 +85,54 @@ GAIN_DECAY = 0.98  # per step: banked gains fade (losses never do)
 # 1.252 -> 1.269x, right 80 % 1.951x both.
 
 
+class ControllerState(StrEnum):
+    """What the adaptive budget does at a step (the step record keeps its text)."""
+
+    OFF = ""  # a strategy sized by its budget alone: no controller
+    NORMAL = "normal"
+    PROBING = "probing"  # a plain step, to measure plain speed
+    BACKING_OFF = "backing off"  # plain steps: trees did not pay, or the loss allowance is spent
+    EXPLORING = "exploring"  # one node, to measure the heads again
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The controller's decision before a step drafts."""
+
+    state: ControllerState
+    heads: bool  # the heads (or the draft layer) propose this step
+    chains: bool  # the chain drafters propose (False on a plain probe)
+    max_nodes: int  # the step's node budget: the most nodes drafted, built and verified
+
+
+class NodeBudget(Protocol):
+    """How a session sizes its trees: `AutoBudget` (`auto`) or `FixedBudget`."""
+
+    def plan(self, budget: int) -> StepPlan: ...
+
+    def choose(self, draft: DraftTree, heads_used: bool, context: int) -> int: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
+class FixedBudget:
+    """A strategy sized by its budget alone: every step drafts and verifies up to `budget` nodes."""
+
+    def plan(self, budget: int) -> StepPlan:
+        """Every drafter, the whole budget."""
+        return StepPlan(ControllerState.OFF, heads=True, chains=True, max_nodes=budget)
+
+    def choose(self, draft: DraftTree, heads_used: bool, context: int) -> int:
+        """The whole tree."""
+        return draft.tree.num_nodes
+
+    def observe(self, record: StepRecord) -> None:
+        """Nothing to learn."""
+
+
 @dataclass
 class LossLedger:
-    """What the heads cost this run beyond plain decoding, against a budget that grows with the run.
+    """What the heads cost this run beyond plain decoding, against an allowance that grows with the run.
 
     `charge` books one heads step: its time minus its tokens at the no-heads rate (negative when
     the tree paid). `elapsed_ms` counts every step. Pure bookkeeping: `AutoBudget` decides."""
@@ -97,13 +150,13 @@ class LossLedger:
         """Book one heads step: its time minus what its tokens cost without the heads."""
         self.loss_ms += step_ms - tokens * ms_per_token
 
-    def budget_ms(self, plain_step_ms: float) -> float:
+    def allowance_ms(self, plain_step_ms: float) -> float:
         """What the heads may have lost by now: LEDGER_START_STEPS plain steps + LOSS_SHARE of the run."""
         return LEDGER_START_STEPS * plain_step_ms + LOSS_SHARE * self.elapsed_ms
 
     def room_ms(self, plain_step_ms: float) -> float:
-        """What the heads may still lose before they exceed the budget."""
-        return self.budget_ms(plain_step_ms) - self.loss_ms
+        """What the heads may still lose before they exceed the allowance."""
+        return self.allowance_ms(plain_step_ms) - self.loss_ms
 
 
 @dataclass
@@ -166,21 +219,31 @@ class AutoBudget:
     ledger: LossLedger = field(default_factory=LossLedger)  # what the heads cost beyond plain decoding
 
     @property
-    def state(self) -> str:
+    def state(self) -> ControllerState:
         """What the controller does this step: probing (a plain step to measure plain speed),
-        backing off (plain steps: trees did not pay, or the loss budget is spent), exploring (one
-        node to measure the heads again after a back-off or under a spent budget) or normal."""
+        backing off (plain steps: trees did not pay, or the loss allowance is spent), exploring (one
+        node to measure the heads again after a back-off or under a spent loss allowance) or normal."""
         if self.probe_plain():
-            return "probing"
+            return ControllerState.PROBING
         if self.steps < self.plain_until:
-            return "backing off"
-        if not self.within_loss_budget():
-            return "exploring" if self.explore_due() else "backing off"
+            return ControllerState.BACKING_OFF
+        if not self.within_loss_allowance():
+            return ControllerState.EXPLORING if self.explore_due() else ControllerState.BACKING_OFF
         if self.backoff and self.explore_due():
             # no tree for a whole back-off: the heads' evidence is stale. Due until a tree is
-            # verified (a step the loss budget kept plain leaves it due)
-            return "exploring"
-        return "normal"
+            # verified (a step the loss allowance kept plain leaves it due)
+            return ControllerState.EXPLORING
+        return ControllerState.NORMAL
+
+    def plan(self, budget: int) -> StepPlan:
+        """This step's drafters and node budget: none on a probe; the heads only while they may pay
+        (`use_heads`); at most `budget` nodes, and at most `draft_limit` once heads steps ran."""
+        state = self.state
+        if state == ControllerState.PROBING:
+            return StepPlan(state, heads=False, chains=False, max_nodes=0)
+        limit = self.draft_limit()
+        return StepPlan(state, heads=self.use_heads(), chains=True,
+                        max_nodes=budget if limit is None else min(budget, limit))
 
     @property
     def costs(self) -> CorrectedProfile:
@@ -189,10 +252,10 @@ class AutoBudget:
 
     def use_heads(self) -> bool:
         """False while backing off (the heads cannot pay at the moment, or they spent the run's
-        loss budget) or while probing; True for an exploring step."""
+        loss allowance) or while probing; True for an exploring step."""
         if self.steps < self.plain_until or self.probe_plain():
             return False
-        return self.within_loss_budget() or self.explore_due()
+        return self.within_loss_allowance() or self.explore_due()
 
     def explore_due(self) -> bool:
         """True once no tree ran for `explore_after` steps (the heads' evidence is getting stale)
@@ -204,14 +267,14 @@ class AutoBudget:
         worst_loss = self.costs.cost(EXPLORE_NODES + 1, context) + self.overhead_ms(heads_used=True) - plain_ms
         return worst_loss <= EXPLORE_MAX_LOSS * plain_ms
 
-    def within_loss_budget(self, nodes: int = 1, context: int | None = None) -> bool:
-        """True when a heads step verifying `nodes` nodes stays within the run's loss budget even
+    def within_loss_allowance(self, nodes: int = 1, context: int | None = None) -> bool:
+        """True when a heads step verifying `nodes` nodes stays within the run's loss allowance even
         if it accepts nothing."""
         return self.loss_fits(context)(nodes)
 
     def loss_fits(self, context: int | None = None) -> Callable[[int], bool]:
         """Whether a tree of n nodes on top of a `context`-token cache (default: the last step's)
-        stays within the loss budget if it accepts nothing; the rates it needs are read once."""
+        stays within the loss allowance if it accepts nothing; the rates it needs are read once."""
         context = context if context is not None else self._last_context()
         plain_ms = self._plain_ms_per_token(context)
         room, overhead = self.ledger.room_ms(plain_ms), self.overhead_ms(heads_used=True)
@@ -231,7 +294,7 @@ class AutoBudget:
         return self.records[-1].context_length if self.records else None
 
     def affordable_nodes(self, most: int, context: int) -> int:
-        """The largest tree size up to `most` that the loss budget allows (0: the root alone)."""
+        """The largest tree size up to `most` that the loss allowance allows (0: the root alone)."""
         fits = self.loss_fits(context)
         low, high = 0, most  # cost grows with size: bisect
         while low < high:
@@ -276,14 +339,14 @@ class AutoBudget:
         expected, overhead = self.expected(draft), self.overhead_ms(heads_used)
         uncut, rate = best_prefix(expected, tree.depths[1:], self.costs, overhead, context=context)
         most = self.affordable_nodes(tree.num_nodes, context) if heads_used else tree.num_nodes
-        size = uncut  # the loss budget may cut the tree; whether trees pay is judged uncut
+        size = uncut  # the loss allowance may cut the tree; whether trees pay is judged uncut
         if uncut > most:
             size, _ = best_prefix(expected[:most], tree.depths[1:most + 1], self.costs, overhead, context=context)
-        exploring = self.exploring = heads_used and size == 0 and self.state == "exploring"
-        if heads_used:  # a root-only step (nothing worth it, or nothing the budget allows) backs off briefly
+        exploring = self.exploring = heads_used and size == 0 and self.state == ControllerState.EXPLORING
+        if heads_used:  # a root-only step (nothing worth it, or nothing the loss allowance allows) backs off briefly
             self._update_backoff(size, rate, context)
         if exploring:  # without a verified tree the heads' evidence could never change
-            size = min(EXPLORE_NODES, tree.num_nodes)  # even beyond the loss budget: a cheap, charged try
+            size = min(EXPLORE_NODES, tree.num_nodes)  # even beyond the loss allowance: a cheap, charged try
         return size
 
     def observe(self, record: StepRecord) -> None:

@@ -28,9 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import statistics
 import threading
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,7 +37,7 @@ import transformers
 
 from core.model import CACHE_DIR, BaseModel
 from core.kvcache import truncate
-from core.machine import cpu_fingerprint, measured_quietly
+from core.machine import cpu_fingerprint, measured_quietly, median_ms
 from core.tree import CandidateTree, chain_tree
 from core.verify import forward_tokens, verify_tree
 
@@ -135,18 +133,12 @@ def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats:
         tree = chain_tree(size - 1) if size > 1 else CandidateTree(paths=[])
         buffers = tree.buffers()
         tokens = torch.arange(2000, 2000 + size) % base.model.config.vocab_size
-        times = []
-        for _ in range(repeats):
-            if base.device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+
+        def verify() -> None:
             verified = verify_tree(base, cache, tokens, buffers.attn_mask, buffers.position_ids)
             verified.logits(list(range(0, size, 3)))  # acceptance projects about a third of the nodes
-            if base.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(1000 * (time.perf_counter() - start))
-            truncate(cache, context)
-        medians.append(statistics.median(times))
+
+        medians.append(median_ms(verify, repeats, base.device, setup=lambda: truncate(cache, context)))
     # latency cannot fall with more tokens: smooth measurement noise
     for i in range(len(medians) - 2, -1, -1):
         medians[i] = min(medians[i], medians[i + 1])

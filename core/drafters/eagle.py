@@ -29,19 +29,17 @@ On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle")
 from __future__ import annotations
 
 import copy
-import json
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import safetensors.torch
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from core.drafters.grown import GrownNode, GrownTree, best_first
-from core.drafters.layers import RMSNorm
+from core.drafters.layers import RMSNorm, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
 
@@ -226,11 +224,7 @@ class EagleLayer(nn.Module):
 
     def save(self, folder: Path) -> None:
         """`layer.safetensors` + `config.json`."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        safetensors.torch.save_file({k: v.contiguous() for k, v in self.state_dict().items()},
-                                    folder / "layer.safetensors")
-        (folder / "config.json").write_text(json.dumps({"family": "eagle", **asdict(self.config)}, indent=2) + "\n")
+        save_weights(folder, "layer.safetensors", self.state_dict(), self.config, self.family)
 
 
 def _chain_attention(q: torch.Tensor, base_k: torch.Tensor, base_v: torch.Tensor, chain_k: list[torch.Tensor],
@@ -277,12 +271,9 @@ def init_from_base(layer: EagleLayer, base_model: nn.Module) -> None:
 def load_eagle(folder: Path = DEFAULT_EAGLE_DIR, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> EagleLayer:
     """A draft layer saved by `EagleLayer.save`."""
-    folder = Path(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    if raw.pop("family", None) != "eagle":
-        raise ValueError(f"{folder} does not hold an EAGLE draft layer (its config.json says no \"family\": \"eagle\")")
-    layer = EagleLayer(EagleConfig(**raw))
-    layer.load_state_dict(safetensors.torch.load_file(folder / "layer.safetensors"))
+    fields, state = read_weights(folder, "layer.safetensors", EagleLayer.family)
+    layer = EagleLayer(EagleConfig(**fields))
+    layer.load_state_dict(state)
     return layer.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

@@ -29,6 +29,11 @@ class GrownTree:
     probs: torch.Tensor  # [D, m]
     token_ids: torch.Tensor  # [D, m]
 
+    def candidate_tree(self, budget: int, top_m: int, depth: int, fixed: CandidateTree | None = None
+                       ) -> tuple[CandidateTree, torch.Tensor]:
+        """The step's tree and its token table: the tree as grown (to the drafter's budget already)."""
+        return self.tree, self.token_table
+
 
 @dataclass
 class GrownNode:

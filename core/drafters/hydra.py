@@ -35,15 +35,13 @@ On-disk format (`assets/hydra/`): `config.json` (HydraConfig) and `heads.safeten
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from torch import nn
 
-from core.drafters.layers import RMSNorm
+from core.drafters.layers import RMSNorm, read_weights, save_weights, take_draft_vocab
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, best_first
@@ -185,29 +183,20 @@ class HydraHeads(nn.Module):
 
     def save(self, folder: Path) -> None:
         """`heads.safetensors` + `config.json` (see the module docstring)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {f"heads.{k}": v.contiguous() for k, v in self.heads.state_dict().items()}
+        tensors = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
         if self.prefix is not None:
-            tensors.update({f"prefix.{k}": v.contiguous() for k, v in self.prefix.state_dict().items()})
-        tensors["draft_vocab"] = self.draft_vocab.contiguous()
-        safetensors.torch.save_file(tensors, folder / "heads.safetensors")
-        (folder / "config.json").write_text(json.dumps({"family": "hydra", **asdict(self.config)}, indent=2) + "\n")
+            tensors.update({f"prefix.{k}": v for k, v in self.prefix.state_dict().items()})
+        tensors["draft_vocab"] = self.draft_vocab
+        save_weights(folder, "heads.safetensors", tensors, self.config, self.family)
 
 
 def load_hydra_heads(folder: Path = DEFAULT_HYDRA_DIR, *, dtype: torch.dtype = torch.float32,
                      device: torch.device | str = "cpu") -> HydraHeads:
     """Hydra heads saved by `HydraHeads.save`."""
-    folder = Path(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    if raw.pop("family", None) != "hydra":
-        raise ValueError(f"{folder} does not hold Hydra heads (its config.json says no \"family\": \"hydra\")")
-    config = HydraConfig(**raw)
+    fields, state = read_weights(folder, "heads.safetensors", HydraHeads.family)
+    config = HydraConfig(**fields)
     heads = HydraHeads(config)
-    state = safetensors.torch.load_file(folder / "heads.safetensors")
-    draft_vocab = state.pop("draft_vocab", torch.zeros(0, dtype=torch.long))
-    if len(draft_vocab) != config.draft_vocab_size:
-        raise ValueError(f"{folder}: config says {config.draft_vocab_size} draft tokens, weights hold {len(draft_vocab)}")
+    draft_vocab = take_draft_vocab(state, config.draft_vocab_size, folder)
     prefix = {key.removeprefix("prefix."): state.pop(key) for key in [k for k in state if k.startswith("prefix.")]}
     if (heads.prefix is not None) != bool(prefix):
         raise ValueError(f"{folder}: config says prefix_layer={config.prefix_layer}, weights "

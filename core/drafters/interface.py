@@ -29,6 +29,7 @@ from core.drafters.hydra import HydraHeads, PrefixCache, grow_tree
 from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
 from core.model import BaseModel, fast_bf16_batched
 from core.strategy import MAX_CHAIN_TOKENS
+from core.tree import CandidateTree, dynamic_tree
 
 
 
@@ -95,7 +96,7 @@ class DraftContext:
     # the hidden states of the answer so far, one [k, H] chunk per step (the prefill's last
     # position first); the last row is `hidden`. Read by drafters that attend over the answer
     history: Sequence[torch.Tensor] = ()
-    # the most nodes this step's tree can keep (the adaptive budget's `draft_limit`); None: no limit
+    # the step's node budget (the controller's `StepPlan.max_nodes`); None: the drafter's own
     max_nodes: int | None = None
     # per chunk of `history`, the same rows' tapped states and last hidden state, [k, (taps + 1) * H]
     # (low | mid | high): read by a drafter with `taps` (the EAGLE layer)
@@ -108,6 +109,27 @@ class HeadProposal:
 
     probs: torch.Tensor  # [D, m]
     token_ids: torch.Tensor  # [D, m]
+
+    def candidate_tree(self, budget: int, top_m: int, depth: int, fixed: CandidateTree | None = None
+                       ) -> tuple[CandidateTree, torch.Tensor]:
+        """The step's tree and its token table [D, m]: `fixed` over these guesses (scored by the joint
+        probability of each path), else the dynamic tree of the `budget` best paths of the first
+        `depth` heads' top-`top_m`."""
+        if fixed is not None:
+            scored = CandidateTree(paths=fixed.paths, kind=fixed.kind, scores=fixed.path_scores(self.probs))
+            return scored, self.token_ids
+        return dynamic_tree(self.probs[:depth, :top_m], budget), self.token_ids
+
+
+class Proposal(Protocol):
+    """What a heads drafter proposes (`HeadProposal`, `core.drafters.grown.GrownTree`): it makes the
+    step's tree itself, so the tree policy never asks which family proposed it."""
+
+    probs: torch.Tensor  # [D, m] what the heads table shows
+    token_ids: torch.Tensor  # [D, m]
+
+    def candidate_tree(self, budget: int, top_m: int, depth: int, fixed: CandidateTree | None = None
+                       ) -> tuple[CandidateTree, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +147,7 @@ class Drafter(Protocol):
 
     name: str
 
-    def propose(self, context: DraftContext) -> HeadProposal | GrownTree | list[Chain] | None:
+    def propose(self, context: DraftContext) -> Proposal | list[Chain] | None:
         """Candidates for the tokens after `context.tokens[-1]`, or None when it has none."""
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
@@ -214,7 +236,7 @@ class HydraDrafter:
             self.seen, self.last_state = len(context.history), outputs[-1]
         return self.last_state
 
-    def observe(self, proposed: HeadProposal | GrownTree | list[Chain], verified_depths: Sequence[int],
+    def observe(self, proposed: Proposal | list[Chain], verified_depths: Sequence[int],
                 accepted_tokens: Sequence[int]) -> None:
         """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""
 

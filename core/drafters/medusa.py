@@ -19,9 +19,8 @@ in the cache across the depths of a step while 16k rows stream from memory each 
 """
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Collection
 
@@ -29,6 +28,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from core.drafters.layers import read_weights, save_weights, take_draft_vocab
 from core.engine import Matmul, fastest, median_ms, time_kernels
 from core.model import REPO_ROOT, BaseModel, linear_rows
 from core.strategy import MAX_TOP_M
@@ -272,25 +272,19 @@ class MedusaHeads(nn.Module):
 
     def save(self, folder: Path) -> None:
         """Project format: `heads.safetensors` + `config.json`."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.contiguous() for k, v in self.heads.state_dict().items()}
+        tensors = dict(self.heads.state_dict())
         if self.config.draft_vocab_size:
-            tensors["draft_vocab"] = self.draft_vocab.contiguous()
-        safetensors.torch.save_file(tensors, folder / "heads.safetensors")
-        (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+            tensors["draft_vocab"] = self.draft_vocab
+        save_weights(folder, "heads.safetensors", tensors, self.config)
 
 
 def load_heads(folder: Path = DEFAULT_HEADS_DIR, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> MedusaHeads:
     """Heads saved in the project format."""
-    folder = Path(folder)
-    config = HeadsConfig(**json.loads((folder / "config.json").read_text()))
+    fields, state = read_weights(folder, "heads.safetensors")
+    config = HeadsConfig(**fields)
     heads = MedusaHeads(config)
-    state = safetensors.torch.load_file(folder / "heads.safetensors")
-    draft_vocab = state.pop("draft_vocab", torch.zeros(0, dtype=torch.long))
-    if len(draft_vocab) != config.draft_vocab_size:
-        raise ValueError(f"{folder}: config says {config.draft_vocab_size} draft tokens, weights hold {len(draft_vocab)}")
+    draft_vocab = take_draft_vocab(state, config.draft_vocab_size, folder)
     heads.heads.load_state_dict(state)
     heads.draft_vocab.copy_(draft_vocab)
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)

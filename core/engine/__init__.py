@@ -9,7 +9,8 @@
 """
 from core.engine.lean import (BUCKET_TIMING_ROWS, LEAN_MODEL_TYPES, REFERENCE_BUCKET, ROW_BUCKETS, TREE_ROWS_MARGIN,
                               FusedLayer, LeanLlama, Matmul, SlotCache, SlotStep, SlotView, StaticCache, fastest,
-                              lean_unsupported_reason, median_ms, time_kernels)
+                              lean_unsupported_reason, time_kernels)
+from core.machine import median_ms
 
 __all__ = ["BUCKET_TIMING_ROWS", "LEAN_MODEL_TYPES", "REFERENCE_BUCKET", "ROW_BUCKETS", "TREE_ROWS_MARGIN", "FusedLayer",
            "LeanLlama", "Matmul", "SlotCache", "SlotStep", "SlotView", "StaticCache", "fastest", "lean_unsupported_reason",

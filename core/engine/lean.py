@@ -26,16 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.machine import cpu_name, measured_quietly
+from core.machine import cpu_name, measured_quietly, median_ms
 from core.strategy import MAX_TREE_ROWS
 
 log = logging.getLogger(__name__)
@@ -569,22 +567,6 @@ def _time_kernel(matmuls: list[Matmul], kernel: str, bucket: int, rows: int, rep
                 m.kernels.pop(bucket, None)
             else:
                 m.kernels[bucket] = old
-
-
-@torch.inference_mode()
-def median_ms(call: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
-    """Median wall ms of `repeats` calls of `call` after one untimed warm-up call (the upper middle
-    one for an even count); on a GPU each call is waited for."""
-    def timed() -> float:
-        start = time.perf_counter()
-        call()
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize()
-        return 1000 * (time.perf_counter() - start)
-
-    timed()
-    samples = sorted(timed() for _ in range(repeats))
-    return samples[len(samples) // 2]
 
 
 def _share_rows(linears: tuple[nn.Linear, ...], fused: torch.Tensor) -> None:
