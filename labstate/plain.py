@@ -109,6 +109,11 @@ def greedy_check(lab: LabState, run: Run) -> GreedyCheck:
                                "a near-tie that tree and single-token forwards round differently)", position, gap)
 
 
+MIN_OWN_PLAIN = 3  # this run's plain steps that measure plain decoding's speed
+MEASURING = ("measuring: the ratio to plain decoding comes once plain decoding of this prompt is timed "
+             "(the auto budget's plain steps, the end of the run, or Check)")
+
+
 def ar_baseline(lab: LabState, run: Run) -> ArBaseline:
     """The plain run's measured times when it exists, else the one-token forward estimate."""
     ref = lab.references.get(run.reference_key)
@@ -138,22 +143,24 @@ def _why(run: Run, profile: CostProfile | None, winning: bool) -> str:
 
 
 def speed_vs_plain(lab: LabState, run: Run) -> PlainComparison:
-    """This run's decode tokens/s over plain decoding's: measured when a plain run exists, else estimated."""
+    """This run's decoding tokens/s over plain decoding's, both timed by the steps' own clock
+    (`PhaseTimes.total`, what the benchmark compares): plain decoding measured by the plain run of
+    this prompt, else by this run's own plain steps (the auto budget's probes) once MIN_OWN_PLAIN
+    ran; until then no ratio ("measuring"), never an estimate."""
     if run.settings.strategy == AUTOREGRESSIVE:
         return PlainComparison(None, True, "this run is plain decoding: the yardstick", "")
     records = run.session.records
     seconds = sum(r.times.total for r in records)
     emitted = max(len(run.session.output_ids) - 1, 0)  # the first token comes from the prefill
     ref = lab.references.get(run.reference_key)
-    profile = _profile(run)
-    plain_rate, measured, basis = None, False, ""
+    own_plain = [r.times.total for r in records if r.strategy == AUTOREGRESSIVE and r.times.total > 0]
     if ref is not None and ref.step_seconds:
-        plain_rate, measured, basis = len(ref.step_seconds) / sum(ref.step_seconds), True, "measured plain run"
-    elif profile is not None:
-        plain_rate, basis = 1000.0 / profile.cost(1), "estimated from the verify-cost profile (1 token)"
-    elif run.settings.precision in lab.forward_seconds:
-        plain_rate, basis = 1.0 / lab.forward_seconds[run.settings.precision], "estimated from a 1-token forward"
-    if not records or seconds <= 0 or not plain_rate:
-        return PlainComparison(None, measured, basis, "")
+        plain_rate, basis = len(ref.step_seconds) / sum(ref.step_seconds), "measured plain run"
+    elif len(own_plain) >= MIN_OWN_PLAIN:
+        plain_rate, basis = len(own_plain) / sum(own_plain), f"measured: {len(own_plain)} plain steps of this run"
+    else:
+        return PlainComparison(None, False, MEASURING, "")
+    if not records or seconds <= 0:
+        return PlainComparison(None, True, basis, "")
     ratio = (emitted / seconds) / plain_rate
-    return PlainComparison(ratio, measured, basis, _why(run, profile, ratio >= 1.0))
+    return PlainComparison(ratio, True, basis, _why(run, _profile(run), ratio >= 1.0))

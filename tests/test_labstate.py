@@ -227,3 +227,26 @@ def test_the_prefill_and_every_step_run_on_the_tensor_thread(tiny_runtime, monke
     labstate.step_once(lab, PROMPT, settings)
     assert [kind for kind, _ in seen] == ["prefill", "step", "step"]
     assert all(name.startswith(THREAD_NAME) for _, name in seen)
+
+
+def test_the_speed_card_says_measuring_until_plain_decoding_is_timed_then_compares_like_with_like(tiny_runtime):
+    """Issue 46: no estimated ratio. A fixed-size run says "measuring" until the plain run of the
+    prompt is timed; an auto run measures plain decoding on its own plain steps (the probes) once
+    three ran; both rates are the steps' own decoding time (`PhaseTimes.total`)."""
+    from labstate.plain import MIN_OWN_PLAIN, speed_vs_plain
+    lab = labstate.LabState()
+    labstate.step_once(lab, PROMPT, labstate.parse_settings(SETTINGS))
+    early = speed_vs_plain(lab, lab.run)
+    assert early.ratio is None and early.basis.startswith("measuring")
+    auto = labstate.parse_settings({**SETTINGS, "strategy": "dynamic:auto"})
+    lab = labstate.LabState()
+    for _ in range(8):
+        labstate.step_once(lab, PROMPT, auto)
+    records = lab.run.session.records
+    plain_steps = [r.times.total for r in records if r.strategy == "autoregressive"]
+    assert len(plain_steps) >= MIN_OWN_PLAIN
+    speed = speed_vs_plain(lab, lab.run)
+    assert speed.measured and speed.basis == f"measured: {len(plain_steps)} plain steps of this run"
+    emitted = len(lab.run.session.output_ids) - 1
+    expected = (emitted / sum(r.times.total for r in records)) / (len(plain_steps) / sum(plain_steps))
+    assert speed.ratio == pytest.approx(expected)

@@ -227,9 +227,12 @@ def _verdict(stats: RunStats, looping: bool) -> str:
 
 
 def _speed_card(stats: RunStats, looping: bool = False) -> str:
-    """Tokens/s, and the ratio to plain decoding: a verdict (wins / loses) only when measured and not on a
-    loop; an estimate is marked as one and coloured neutrally; plain decoding is never compared with itself."""
-    if stats.vs_plain is None:
+    """Tokens/s, and the ratio to plain decoding once plain decoding is measured: a verdict (wins / loses)
+    when not on a loop; before, "measuring" (recordings of older runs: their estimate, marked as one);
+    plain decoding is never compared with itself."""
+    if stats.vs_plain is None and stats.vs_plain_basis.startswith("measuring"):
+        sub = f'<div class="sub neutral" title="{escape(stats.vs_plain_basis)}">vs plain decoding: measuring…</div>'
+    elif stats.vs_plain is None:
         sub = (f'<div class="sub neutral">{escape(stats.vs_plain_basis)}</div>' if stats.vs_plain_basis else "")
     elif _measured(stats):
         state = _verdict(stats, looping)
@@ -237,7 +240,7 @@ def _speed_card(stats: RunStats, looping: bool = False) -> str:
         ratio = f"{stats.vs_plain:.1f}" if stats.vs_plain >= 0.95 else f"{stats.vs_plain:.2f}"
         sub = (f'<div class="sub {colour}" title="{escape(stats.vs_plain_basis)}">{ratio}× plain '
                f'decoding (measured{", on a loop" if state == "loop" else ""})</div>')
-    else:
+    else:  # a recording made when the card still estimated
         sub = (f'<div class="sub neutral" title="{escape(stats.vs_plain_basis)}">≈ {stats.vs_plain:.1f}× plain '
                f'decoding (estimated, not yet measured)</div>')
     return (f'<div class="card speed"><div class="v">{stats.tokens_per_s:.1f}</div><div class="k">tokens / s</div>'
