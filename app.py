@@ -277,8 +277,11 @@ def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> t
 
 
 def on_pick(name: str, state: replay.Replay | None = None) -> tuple:
-    """Open a gallery run at its start (Step draws its first tree)."""
-    return _replay_guard(state, lambda: _replay_view(replay.open_gallery(name)))
+    """Open a gallery run on the step its notes are about (`replay.open_gallery`)."""
+    def pick() -> tuple:
+        opened = replay.open_gallery(name)
+        return _replay_view(opened, replay.opening_message(opened))
+    return _replay_guard(state, pick)
 
 
 def on_upload(data: bytes | None, state: replay.Replay | None = None) -> tuple:

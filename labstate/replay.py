@@ -93,9 +93,18 @@ UPLOADS = _Uploads(MAX_UPLOADS)
 
 
 def open_gallery(name: str) -> Replay:
-    """A gallery run, ready at its first step (pressing Step draws step 1)."""
-    _gallery_trace(name)
-    return Replay(source=f"gallery:{name}")
+    """A gallery run, opened on the first step its notes are about: the point of the run drawn at once
+    (Back reaches the steps before it); ready at its first step when it has no notes."""
+    notes = _gallery_trace(name).facts.step_notes
+    return Replay(source=f"gallery:{name}", shown=min(notes) + 1 if notes else 0)
+
+
+def opening_message(replay: Replay) -> str:
+    """What the page says when a gallery run opens on its point."""
+    if not replay.shown:
+        return ""
+    return (f"Opened on step {replay.shown}, the point of this run: ← goes back to step 1, "
+            f"Step goes on.")
 
 
 def open_upload(raw: bytes | str) -> Replay:

@@ -113,12 +113,13 @@ def test_the_shipped_gallery_replays_every_step_without_a_model():
         notes = replay.trace_of(state).facts.step_notes
         assert notes, f"{name}: nothing noted"  # the notes come from the records
         assert all(0 <= step < total for step in notes)
+        assert state.shown == min(notes) + 1  # it opens on the point (issue 46)
         drawn = sorted({total - 1, *list(notes)[:1]})  # every step loads; a noted one and the last are drawn
         for step in drawn:
             view = build_view(replay.replay_facts(replay.moved(state, step + 1)), step)
             assert f"Step {step + 1}:" in view.tree.layout.title.text
             _assert_valid_plotly(view)
-        for _ in range(total):
+        while state.shown < total:
             state = replay.step(state)
         assert replay.replay_facts(state) == replay.trace_of(state).facts  # the end is the recorded run
         with pytest.raises(labstate.LabNotice, match="no more steps"):
@@ -126,7 +127,7 @@ def test_the_shipped_gallery_replays_every_step_without_a_model():
 
 
 def test_replay_moves_and_its_speed_card_uses_the_recorded_baseline():
-    state = replay.open_gallery("dynamic_vs_fixed")
+    state = replay.moved(replay.open_gallery("dynamic_vs_fixed"), 0)
     full = replay.trace_of(state).facts
     assert replay.replay_facts(state).records == [] and replay.replay_facts(state).output_ids == full.output_ids[:1]
     third = replay.moved(state, 3)
@@ -198,7 +199,7 @@ def test_a_bad_upload_leaves_the_page_and_its_replay_working():
 def test_a_replayed_step_draws_the_next_one_ahead():
     import app
 
-    state = app.on_pick("dynamic_vs_fixed")[0]
+    state = replay.moved(app.on_pick("dynamic_vs_fixed")[0], 0)
     for shown in (1, 2):
         state = app.on_replay_step(state)[0]
         app.LOOK_AHEAD.submit(lambda: None).result()  # one worker: the look-ahead before it has finished
@@ -213,8 +214,11 @@ def test_revisit_appears_with_a_second_step_and_revisits_what_the_page_shows():
     import app
 
     slider = VIEW_FIELDS.index("step_slider") + 1  # outputs: the replay state, then the view
-    state = app.on_pick("dynamic_vs_fixed")[0]
-    assert app.on_pick("dynamic_vs_fixed")[slider].visible is False  # no "1 … 2" before any step
+    picked = app.on_pick("dynamic_vs_fixed")
+    assert picked[0].shown == 2 and picked[slider].visible is True  # opened on its point, step 2
+    assert "Opened on step 2" in picked[1 + VIEW_FIELDS.index("status")]
+    state = replay.moved(picked[0], 0)
+    assert app._replay_view(state)[slider].visible is False  # no "1 … 2" before any step
     first = app.on_replay_step(state)
     assert first[slider].visible is False  # one step: nothing to revisit yet
     state = app.on_replay_step(app.on_replay_step(first[0])[0])[0]
@@ -255,3 +259,12 @@ def test_replay_only_mode_imports_neither_torch_nor_transformers():
     env = {"MEDUSA_LAB_REPLAY_ONLY": "1", "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False",
            "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)
+
+
+def test_the_opening_gallery_run_opens_where_the_dynamic_tree_beats_the_fixed_one():
+    """Issue 46: the first run of the gallery opens on a step where the dynamic tree accepts more
+    than Medusa's fixed tree on the same heads and context."""
+    opening = replay.open_gallery(replay.gallery()[0].name)
+    record = replay.replay_facts(opening).records[-1]
+    assert record.comparison is not None
+    assert record.outcome.accepted_length > record.comparison.accepted_length

@@ -1,6 +1,6 @@
 """The replay-only page in a real browser: `python app.py --replay-only`, no model loaded.
 
-It opens on the first gallery run, ready; Step (the button or the → key) draws its trees, ← goes
+It opens on the first gallery run at the step its notes are about; Step (the button or the → key) goes on, ← goes
 back, and the large-type box enlarges the page for a projector. Screenshots go where
 tests/test_browser.py puts its own (MEDUSA_LAB_SCREENSHOTS, else a temporary folder).
 """
@@ -32,20 +32,22 @@ def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server,
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 720})
         page.goto(url)
-        page.wait_for_function(STATUS_JS, arg="Press **Step**".replace("**", ""), timeout=60_000)
-        assert "live decoding is off" in page.locator("#model-info").inner_text()
-        assert page.locator("#start-btn").count() == 0  # no live controls at all
-        page.locator("#replay-step-btn").click()
+        page.wait_for_function(STATUS_JS, arg="Opened on step 2", timeout=60_000)  # on its point (issue 46)
         page.wait_for_function(TREE_POINTS_JS, arg=1, timeout=30_000)
         first_tree = time.perf_counter() - launched
-        page.wait_for_function(STEPS_JS, arg=1, timeout=30_000)
+        assert "live decoding is off" in page.locator("#model-info").inner_text()
+        assert page.locator("#start-btn").count() == 0  # no live controls at all
+        page.wait_for_function(STEPS_JS, arg=2, timeout=30_000)
+        page.locator("#replay-step-btn").click()
+        page.wait_for_function(STEPS_JS, arg=3, timeout=30_000)
         page.locator("body").click(position={"x": 5, "y": 5})
         started = time.perf_counter()
         page.keyboard.press("ArrowRight")
-        page.wait_for_function(STEPS_JS, arg=2, timeout=30_000)
+        page.wait_for_function(STEPS_JS, arg=4, timeout=30_000)
         step_seconds = time.perf_counter() - started
-        page.keyboard.press("ArrowLeft")
-        page.wait_for_function(STEPS_JS, arg=1, timeout=30_000)
+        for shown in (3, 2, 1):
+            page.keyboard.press("ArrowLeft")
+            page.wait_for_function(STEPS_JS, arg=shown, timeout=30_000)
         page.locator("#presenter-toggle input").check()
         page.wait_for_function("() => document.body.classList.contains('presenter')", timeout=10_000)
         page.evaluate("window.scrollTo(0, 0)")
@@ -59,7 +61,9 @@ def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server,
         picker.fill("Hydra's tree beside")
         page.keyboard.press("Enter")
         page.wait_for_function(STATUS_JS, arg="same context", timeout=30_000)
-        for count in (1, 2, 3):
+        page.wait_for_function(STATUS_JS, arg="Opened on step", timeout=30_000)
+        opened = int(page.locator("#stats .card .v").nth(1).inner_text())
+        for count in (opened + 1, opened + 2):
             page.locator("#replay-step-btn").click()
             page.wait_for_function(STEPS_JS, arg=count, timeout=30_000)
         rival = page.locator("#tree-rival-plot")
