@@ -393,3 +393,28 @@ def test_status_and_speed_through_the_api(url):
     checked = client.predict(api_name="/check")
     assert checked[OUT["summary"]]["steps"] == steps and checked[OUT["summary"]]["vs_plain_basis"] == \
         "measured plain run"
+
+
+def test_the_server_measures_what_a_first_start_needs_after_it_is_up(monkeypatch):
+    """Issue 46: the verify-cost profile is measured on a background thread once the server answers,
+    never on a Start's request path (a Start that comes first waits for the rest of it)."""
+    import threading
+
+    import gradio as gr
+
+    events: list = []
+    measured = threading.Event()
+
+    def warm_up(precision: str, tree: bool, notify) -> None:
+        events.append(("warm-up", precision, tree, threading.current_thread().name))
+        measured.set()
+
+    monkeypatch.setattr(app, "REPLAY_ONLY", False)
+    monkeypatch.setattr(app, "demo", app.demo)
+    monkeypatch.setattr(app.labstate, "runtime", lambda precision: events.append("model loaded"))
+    monkeypatch.setattr(app.labstate, "machine_precision", lambda: "fp32")
+    monkeypatch.setattr(app.labstate, "warm_up", warm_up)
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **options: events.append("serving"))
+    monkeypatch.setattr(gr.Blocks, "block_thread", lambda self: measured.wait(10))
+    app.main(["--port", "7998"])
+    assert events == ["model loaded", "serving", ("warm-up", "fp32", True, "warm-up")]
