@@ -35,7 +35,7 @@ from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import PhaseTimes, StepRecord, TreeOutcome
 from core.strategy import (AUTOREGRESSIVE, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DEFAULT_NEW_TOKENS, DEFAULT_TOP_M,
-                           DYNAMIC, FIXED, HF, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS,
+                           DYNAMIC, HF, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS,
                            MAX_DEPTH, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS, STRATEGIES, StrategyError, StrategySpec,
                            check_int, parse_strategy)
 from core.sampling import next_token
@@ -219,8 +219,8 @@ class DecodeSession:
         self.base = base
         self.config = config
         # the fixed tree: decoded (fixed), or verified aside over a dynamic tree's heads (the comparison)
-        self.fixed_aside = config.compare_fixed and config.strategy == DYNAMIC
-        self.fixed = config.resolve_fixed_tree() if config.strategy == FIXED or self.fixed_aside else None
+        self.fixed_aside = config.compare_fixed and self.family.fixed_beside
+        self.fixed = config.resolve_fixed_tree() if self.family.decodes_fixed_tree or self.fixed_aside else None
         if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
             raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
         if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
@@ -244,7 +244,8 @@ class DecodeSession:
         self.hidden_history: list[torch.Tensor] = []
         self.feature_history: list[torch.Tensor] = []
         self._text_seconds = 0.0  # this step's node-text decoding (PhaseTimes.texts)
-        self.controller: NodeBudget = AutoBudget(profile or verify_profile(base)) if config.auto_budget else FixedBudget()
+        self.controller: NodeBudget = (AutoBudget(profile or verify_profile(base)) if config.auto_budget
+                                       else FixedBudget())
         self.generator = torch.Generator().manual_seed(config.seed)
         # room for the prompt, the answer and one tree on top: a static cache never has to grow
         self.cache = base.new_cache(len(self.prompt_ids) + config.max_new_tokens + MAX_BUDGET + 2)
@@ -403,7 +404,7 @@ class DecodeSession:
                ) -> tuple[Proposal | None, list[tuple[Drafter, list[Chain]]]]:
         """The candidates of the drafters the plan runs (none when no tree node would fit: the
         step is then plain, as on the controller's probes)."""
-        if max_depth < 1 or self.config.strategy == AUTOREGRESSIVE:
+        if max_depth < 1 or not self.family.drafts:
             return None, []
         context = self._draft_context(plan)
         heads = self.heads_drafter.propose(context) if plan.heads else None  # dynamic:auto backing off skips them
@@ -441,7 +442,7 @@ class DecodeSession:
                max_depth: int) -> DraftTree:
         """The step's tree: the policy's tree of the plan's node budget, cut to the context, then
         to the prefix the controller chooses (all of it unless `auto`)."""
-        fixed = self.fixed if self.config.strategy == FIXED else None
+        fixed = self.fixed if self.family.decodes_fixed_tree else None
         draft = build_draft_tree(heads, chains, plan.max_nodes, self.config.top_m, self.config.depth, fixed)
         draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
         if draft.tree.max_depth > max_depth:

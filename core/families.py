@@ -29,6 +29,8 @@ class Family:
     label: str  # what a reader sees
     sized: bool = False  # sized by a node budget: takes auto, +lookup and +store
     grows_tree: bool = False  # its drafter grows the tree node by node (a column is a node, not a head rank)
+    decodes_fixed_tree: bool = False  # it decodes Medusa's fixed tree (a preset or custom rank paths)
+    fixed_beside: bool = False  # the page may verify the fixed tree beside it, over the same heads' guesses
     weights_key: str = ""  # which weights it drafts with (families sharing weights share the key)
     weights: str = ""  # "module:function" of (base) -> (the shipped weights or None, a line for the header)
     drafter: str = ""  # "module:Class" whose `for_session(weights, base, config)` builds the session's drafter
@@ -57,10 +59,10 @@ class Family:
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     Family(AUTOREGRESSIVE, "autoregressive", tree_phrase="Autoregressive: the root only"),
-    Family(FIXED, "fixed", weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
+    Family(FIXED, "fixed", decodes_fixed_tree=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
            drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
            tree_phrase="Fixed tree", guesses="one guess per depth"),
-    Family(DYNAMIC, "dynamic", sized=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
+    Family(DYNAMIC, "dynamic", sized=True, fixed_beside=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
            drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
            tree_phrase="Dynamic tree", rival=HYDRA, guesses="one guess per depth"),
     Family(HYDRA, "Hydra tree", sized=True, grows_tree=True, weights_key="hydra",

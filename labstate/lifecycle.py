@@ -13,7 +13,6 @@ from typing import Callable, Iterator
 
 from core.decoder import start_session
 from core.records import StepRecord
-from core.strategy import AUTOREGRESSIVE
 from core.tensor_thread import run_on_tensor_thread
 from labstate.errors import LabInputError, LabNotice, SessionExpired
 from labstate.limits import STEP_LOCK_TIMEOUT_S
@@ -40,7 +39,7 @@ def start_prepared(lab: LabState, prepared: Prepared) -> Run:
     disk): auto budget sizes trees with it, and the page explains speed against plain decoding with it.
     """
     rt, config = prepared.runtime, prepared.config
-    profile = cost_profile(rt) if config.strategy != AUTOREGRESSIVE else None
+    profile = cost_profile(rt) if config.spec.drafts else None
     lab.interrupt()  # a Run loop on the previous run stops
     acquire(lab)
     try:

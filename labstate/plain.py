@@ -74,7 +74,7 @@ def reference(lab: LabState, run: Run) -> Reference:
 
 def compute_check(lab: LabState, run: Run) -> None:
     """Run what the check needs (the plain run, the logit gap at a divergence) and store it for drawing."""
-    if not run.settings.greedy or run.settings.strategy == AUTOREGRESSIVE:
+    if not run.settings.greedy or not run.settings.spec.drafts:
         return
     ref = reference(lab, run)
     ours = list(run.session.output_ids)
@@ -89,7 +89,7 @@ def greedy_check(lab: LabState, run: Run) -> GreedyCheck:
     """Compare the output so far with the stored plain greedy run (pending until `compute_check` ran)."""
     if not run.settings.greedy:
         return GreedyCheck("na", "sampling: no single right answer")
-    if run.settings.strategy == AUTOREGRESSIVE:
+    if not run.settings.spec.drafts:
         return GreedyCheck("ok", "this is plain decoding")
     ref = lab.references.get(run.reference_key)
     ours = list(run.session.output_ids)
@@ -147,7 +147,7 @@ def speed_vs_plain(lab: LabState, run: Run) -> PlainComparison:
     (`PhaseTimes.total`, what the benchmark compares): plain decoding measured by the plain run of
     this prompt, else by this run's own plain steps (the auto budget's probes) once MIN_OWN_PLAIN
     ran; until then no ratio ("measuring"), never an estimate."""
-    if run.settings.strategy == AUTOREGRESSIVE:
+    if not run.settings.spec.drafts:
         return PlainComparison(None, True, "this run is plain decoding: the yardstick", "")
     records = run.session.records
     seconds = sum(r.times.total for r in records)

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, DecodeSession, strategy_config
 from core.sampling import SamplingConfig
-from core.strategy import DYNAMIC, FIXED, MAX_BUDGET, MAX_NEW_TOKENS
+from core.families import family
+from core.strategy import MAX_BUDGET, MAX_NEW_TOKENS
 from core.tree import load_named_trees
 from labstate.errors import LabInputError
 from labstate.limits import MAX_PROMPT_TOKENS
@@ -99,10 +100,10 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     """The core DecodeConfig for these settings, plus a note on any adjustment made."""
     if settings.depth > num_heads:
         raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
-    dynamic = settings.strategy == DYNAMIC
+    beside = family(settings.strategy).fixed_beside
     accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
     base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
-                        compare_fixed=settings.compare_fixed and dynamic,
+                        compare_fixed=settings.compare_fixed and beside,
                         compare_rival=settings.compare_heads and settings.spec.grown)
     config = strategy_config(settings.spec.with_budget(settings.budget), base)
     if not settings.uses_fixed_tree:  # the preset (or custom box) is read by nothing in this run
@@ -110,6 +111,6 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     if settings.fixed_preset == CUSTOM_TREE:
         _check_custom_depth(settings, num_heads)
     tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
-    if note and settings.strategy != FIXED:
+    if note and not family(settings.strategy).decodes_fixed_tree:
         note = f"the comparison's {note}"  # the run's own tree is dynamic: only the side-by-side tree is cut
     return replace(config, fixed_tree=tree), note

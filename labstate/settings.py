@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_DEPTH, DEFAULT_FIXED_TREE,
                            DEFAULT_NEW_TOKENS, DEFAULT_TOP_M, DYNAMIC, EAGLE, FIXED, HYDRA, MAX_BUDGET, MAX_NEW_TOKENS,
                            MAX_TOP_M, StrategyError, StrategySpec, check_int, parse_strategy)
+from core.families import FAMILIES
 from core.tree import fixed_tree, load_named_trees
 from core.tensor_thread import tensor_work
 from labstate.errors import LabInputError, show
@@ -227,7 +228,7 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
     try:
         paths = parse_custom_tree(custom) if used else ()  # a box nothing reads never blocks Start
     except LabInputError as error:
-        if spec.family == FIXED:
+        if FAMILIES[spec.family].decodes_fixed_tree:
             raise
         raise LabInputError(f"{error} (with the {spec.text} strategy only the fixed-tree comparison uses the custom "
                             f"tree: fix it, pick a preset, or untick the comparison)") from None
@@ -236,7 +237,8 @@ def parse_settings(values: Mapping[str, object]) -> Settings:
 
 def uses_fixed_tree(spec: StrategySpec, compare_fixed: bool) -> bool:
     """Whether a run of `spec` reads the fixed tree: decoding with it, or the comparison of a dynamic run."""
-    return spec.family == FIXED or (compare_fixed and spec.family == DYNAMIC)
+    entry = FAMILIES[spec.family]
+    return entry.decodes_fixed_tree or (compare_fixed and entry.fixed_beside)
 
 
 def _custom_tree_value(text: object) -> object:

@@ -34,7 +34,7 @@ from core.exactness import divergence_from_margins, plain_margins
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
 from core.drafters.hydra import load_hydra_heads
 from core.families import FAMILIES, MEDUSA, family
-from core.strategy import AUTOREGRESSIVE, HF, HYDRA, LOOKUP_TOKENS
+from core.strategy import HF, HYDRA, LOOKUP_TOKENS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, fast_bf16, fast_bf16_batched, load_base_model, precision_choice
@@ -155,7 +155,7 @@ def run_one(base: BaseModel, heads: HeadSet, prompt: Prompt, spec: str, strategy
                     step_tokens=[len(r.new_tokens) for r in session.records],
                     step_verify_ms=[round(1000 * r.times.verify, 2) for r in session.records],
                     step_state=[r.controller for r in session.records]), \
-        plain_margins(session) if strategy.strategy == AUTOREGRESSIVE else None
+        plain_margins(session) if not strategy.spec.drafts else None
 
 
 def summarise(rows: list[BenchRow], specs: list[str]) -> dict:

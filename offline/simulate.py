@@ -23,7 +23,8 @@ from tqdm import tqdm
 from core.drafters.interface import heads_for_drafting
 from core.drafters.medusa import DraftProjection, MedusaHeads, default_heads
 from core.model import BaseModel, ModelConfig, load_base_model
-from core.strategy import DEFAULT_FIXED_TREE, DYNAMIC, FIXED, StrategyError, parse_strategy
+from core.families import FAMILIES
+from core.strategy import DEFAULT_FIXED_TREE, StrategyError, parse_strategy
 from core.tree import CandidateTree, dynamic_tree, named_tree
 
 
@@ -39,9 +40,11 @@ class TreeSpec:
 def parse_tree_spec(text: str) -> TreeSpec:
     """A tree to simulate from a strategy in the one grammar: `fixed[:<name>]` or `dynamic[:<budget>]`."""
     spec = parse_strategy(text)
-    if spec.family == FIXED:
+    entry = FAMILIES.get(spec.family)
+    if entry is not None and entry.decodes_fixed_tree:
         return TreeSpec(label=spec.text, fixed=named_tree(spec.tree or DEFAULT_FIXED_TREE))
-    if spec.family == DYNAMIC and not (spec.auto or spec.lookup or spec.store or spec.engine):
+    # the Medusa heads' own ranked tree (the family the fixed tree is drawn beside), of a fixed size
+    if entry is not None and entry.fixed_beside and not (spec.auto or spec.lookup or spec.store or spec.engine):
         return TreeSpec(label=spec.text, budget=spec.node_budget)
     raise StrategyError(f"the simulator replays fixed and dynamic:<budget> trees over recorded answers, not {text!r}")
 

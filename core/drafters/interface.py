@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import DraftProjection, MedusaHeads
+from core.families import family
 from core.drafters.grown import GrownTree
 from core.drafters.hydra import HydraHeads, PrefixCache, grow_tree
 from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
@@ -170,7 +171,8 @@ class HeadsDrafter:
     def for_session(cls, heads: object, base: BaseModel, config) -> "HeadsDrafter":
         """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`)."""
         _check_heads(heads, MedusaHeads, "Medusa heads", config)
-        fixed = config.resolve_fixed_tree() if config.strategy == "fixed" or config.compare_fixed else None
+        reads_fixed = family(config.strategy).decodes_fixed_tree or config.compare_fixed
+        fixed = config.resolve_fixed_tree() if reads_fixed else None
         width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
         depth = max(config.depth, fixed.max_depth if fixed else 0)
