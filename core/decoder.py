@@ -57,10 +57,8 @@ class DecodeConfig:
     continuations of up to `store_tokens` tokens, `core.drafters.datastore`); a fixed spec's tree
     name becomes `fixed_tree`. top_m: candidates kept per head (grown trees: children per expanded
     node). hydra_beam: nodes expanded per depth when a tree is grown. depth: heads used (tree
-    depth). fixed_tree: a shipped tree name or an explicit list of rank paths. compare_fixed: also
-    verify the fixed tree at every dynamic step (for the side-by-side view; costs a second
-    forward, never committed). record_texts: the records carry what the page draws (node texts,
-    and the drafters' whole proposal where a step verified a part of it); off in benchmarks.
+    depth). fixed_tree: a shipped tree name or an explicit list of rank paths (decoded by the fixed
+    family, drawn beside a dynamic run by `PageViews.fixed`).
     """
 
     spec: StrategySpec | str = DYNAMIC
@@ -70,9 +68,6 @@ class DecodeConfig:
     accept: AcceptConfig = AcceptConfig()
     max_new_tokens: int = DEFAULT_NEW_TOKENS
     seed: int = 0
-    compare_fixed: bool = False
-    compare_rival: bool = False  # also verify the other heads family's tree at each heads step (UI only)
-    record_texts: bool = True
     lookup_tokens: int = LOOKUP_TOKENS
     lookup_chains: int = 1
     store_tokens: int = STORE_TOKENS
@@ -167,6 +162,22 @@ def _top2(logits: torch.Tensor) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
+class PageViews:
+    """What a session records beside its steps for the page; none of it changes a token, none of it
+    is in a step's timed phases.
+
+    fixed: verify Medusa's fixed tree (`DecodeConfig.fixed_tree`) over the same heads' guesses at
+    every step of a family the table draws it beside (a second forward, never committed). rival:
+    another family's weights, growing a tree of the same size from the same context. texts: node
+    texts, and the drafters' whole proposal where a step verified a part of it (off in benchmarks).
+    """
+
+    fixed: bool = False
+    rival: nn.Module | None = None
+    texts: bool = True
+
+
+@dataclass(frozen=True)
 class ProposedTree:
     """The whole tree the drafters proposed at a step, of which the step verified a part."""
 
@@ -210,7 +221,7 @@ class DecodeSession:
 
     def __init__(self, base: BaseModel, heads: nn.Module | None, prompt_ids: Sequence[int],
                  config: DecodeConfig, profile: CostProfile | None = None, *, store: TokenStore | None = None,
-                 rival: nn.Module | None = None) -> None:
+                 page: PageViews = PageViews()) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         self.family = family(config.strategy)
@@ -218,8 +229,9 @@ class DecodeSession:
             raise ValueError(f"strategy {config.strategy!r} needs {self.family.weights_name}")
         self.base = base
         self.config = config
+        self.page = page
         # the fixed tree: decoded (fixed), or verified aside over a dynamic tree's heads (the comparison)
-        self.fixed_aside = config.compare_fixed and self.family.fixed_beside
+        self.fixed_aside = page.fixed and self.family.fixed_beside
         self.fixed = config.resolve_fixed_tree() if self.family.decodes_fixed_tree or self.fixed_aside else None
         if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
             raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
@@ -234,7 +246,7 @@ class DecodeSession:
                              f"{base.max_positions} leaves no room for an answer")
         self.heads_drafter = self._heads_drafter(heads)
         # the other family's heads, drafting from the same context for the side-by-side view
-        self.rival_drafter = self._heads_drafter(rival, rival=True) if config.compare_rival and rival is not None else None
+        self.rival_drafter = self._heads_drafter(page.rival, rival=True) if page.rival is not None else None
         self.chain_drafters = self._chain_drafters(store)
         # the answer's hidden states, for drafters that attend over them (Hydra's prefix layer, the
         # EAGLE layer), and the states the verify forward taps for them (EAGLE's low and mid layers)
@@ -261,9 +273,8 @@ class DecodeSession:
         if not self.family.drafts or heads is None:
             return None
         if not rival:
-            return self.family.build_drafter(heads, self.base, self.config)
-        config = replace(self.config, spec=replace(self.config.spec, family=heads.family), compare_fixed=False,
-                         compare_rival=False)
+            return self.family.build_drafter(heads, self.base, self.config, self.fixed)
+        config = replace(self.config, spec=replace(self.config.spec, family=heads.family))
         return family(heads.family).build_drafter(heads, self.base, config)
 
     def _chain_drafters(self, store: TokenStore | None) -> list[Drafter]:
@@ -393,7 +404,7 @@ class DecodeSession:
     def _texts(self, ids: list[int]) -> list[str]:
         """Each token's text for the record (none in benchmarks); the time it takes is the step's
         `texts` phase."""
-        if not self.config.record_texts:
+        if not self.page.texts:
             return []
         start = time.perf_counter()
         texts = self.base.token_texts(ids)
@@ -474,7 +485,7 @@ class DecodeSession:
                            node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
                            lookup_rank=draft.first_chain_rank if draft.chains else None,
                            chain_sources=tuple(c.source for c in draft.chains), head_scores=head_scores,
-                           base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.config.record_texts else [])
+                           base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.page.texts else [])
 
     def _commit(self, context: int, outcome: TreeOutcome, out: VerifyOutput) -> None:
         """Keep the accepted path in the cache (copied into place, the rest dropped) and what the
@@ -492,11 +503,11 @@ class DecodeSession:
         skipped them), the fixed tree over the same heads' guesses, and the rival family's tree of
         the same size, both verified on this step's context."""
         shown = heads
-        if shown is None and self.config.record_texts and self.heads_drafter is not None and max_depth >= 1:
+        if shown is None and self.page.texts and self.heads_drafter is not None and max_depth >= 1:
             shown = self.heads_drafter.propose(replace(self._draft_context(plan), max_nodes=self.config.budget))
         if shown is None:
             return Asides()
-        asides = Asides(proposal=self._proposal(shown, chains, draft, max_depth) if self.config.record_texts else None)
+        asides = Asides(proposal=self._proposal(shown, chains, draft, max_depth) if self.page.texts else None)
         if self.fixed_aside:  # a dynamic run: the heads proposed a HeadProposal
             fixed = build_draft_tree(shown, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
             asides = replace(asides, comparison=self._verify_aside(
@@ -550,7 +561,7 @@ class DecodeSession:
             index=len(self.records), context_length=context, strategy=kind,
             head_token_ids=head_ids, head_probs=heads.probs[:, :shown].tolist() if heads is not None else [],
             outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token], times=PhaseTimes(),
-            head_texts=[self._texts(row) for row in head_ids] if self.config.record_texts else [],
+            head_texts=[self._texts(row) for row in head_ids] if self.page.texts else [],
         )
 
     @staticmethod
@@ -564,9 +575,9 @@ class DecodeSession:
 
 def start_session(base: BaseModel, heads: nn.Module | None, prompt: str | Sequence[int],
                   config: DecodeConfig, profile: CostProfile | None = None, *,
-                  store: TokenStore | None = None, rival: nn.Module | None = None) -> DecodeSession:
-    """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session.
-    `rival`: the other heads family, drafting beside `heads` when `config.compare_rival` (UI only)."""
+                  store: TokenStore | None = None, page: PageViews = PageViews()) -> DecodeSession:
+    """Prefill `prompt` (text gets the chat template; a list of ids is used as is) and return a session
+    (`page`: what it records beside its steps for the page)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty")
@@ -577,13 +588,14 @@ def start_session(base: BaseModel, heads: nn.Module | None, prompt: str | Sequen
         prompt_ids = base.chat_ids(prompt)
     else:
         prompt_ids = [int(i) for i in prompt]
-    return DecodeSession(base, heads, prompt_ids, config, profile, store=store, rival=rival)
+    return DecodeSession(base, heads, prompt_ids, config, profile, store=store, page=page)
 
 
 def decode(base: BaseModel, heads: nn.Module | None, prompt: str | Sequence[int], config: DecodeConfig,
-           profile: CostProfile | None = None, *, store: TokenStore | None = None) -> DecodeSession:
+           profile: CostProfile | None = None, *, store: TokenStore | None = None,
+           page: PageViews = PageViews()) -> DecodeSession:
     """Run a prompt to the end; the finished session holds the output and every step record."""
-    session = start_session(base, heads, prompt, config, profile, store=store)
+    session = start_session(base, heads, prompt, config, profile, store=store, page=page)
     for _ in session.run():
         pass
     return session

@@ -33,7 +33,7 @@ class Family:
     fixed_beside: bool = False  # the page may verify the fixed tree beside it, over the same heads' guesses
     weights_key: str = ""  # which weights it drafts with (families sharing weights share the key)
     weights: str = ""  # "module:function" of (base) -> (the shipped weights or None, a line for the header)
-    drafter: str = ""  # "module:Class" whose `for_session(weights, base, config)` builds the session's drafter
+    drafter: str = ""  # "module:Class" whose `for_session(weights, base, config, fixed)` builds the session's drafter
     weights_name: str = ""  # what its weights are called in messages
     weights_folder: str = ""  # where they ship
     tree_phrase: str = ""  # the tree panel's phrase for its tree
@@ -52,9 +52,10 @@ class Family:
         a line describing them."""
         return _resolve(self.weights)(base)
 
-    def build_drafter(self, weights: Any, base: Any, config: Any) -> Any:
-        """The drafter of one session: ValueError when `weights` are not this family's."""
-        return _resolve(self.drafter).for_session(weights, base, config)
+    def build_drafter(self, weights: Any, base: Any, config: Any, fixed: Any = None) -> Any:
+        """The drafter of one session (`fixed`: the fixed tree the session decodes or draws beside, if
+        any); ValueError when `weights` are not this family's."""
+        return _resolve(self.drafter).for_session(weights, base, config, fixed)
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (

@@ -29,7 +29,7 @@ _HOMES = {
     "shared": ("_PROFILES", "Runtime", "cost_profile", "header_line", "measure_forward_seconds", "runtime",
                "warm_up"),
     "modes": ("PAUSED", "READY", "RUNNING", "STOPPED"),
-    "runs": ("Prepared", "Run", "decode_config", "fixed_choice", "prepare"),
+    "runs": ("Prepared", "Run", "decode_config", "fixed_choice", "page_views", "prepare"),
     "sessions": ("LabState", "SessionRegistry"),
     "plain": ("GreedyCheck", "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check",
               "reference", "speed_vs_plain"),

@@ -18,7 +18,7 @@ from labstate.errors import LabInputError, LabNotice, SessionExpired
 from labstate.limits import STEP_LOCK_TIMEOUT_S
 from labstate.plain import ar_baseline, compute_check, greedy_check, speed_vs_plain
 from labstate.modes import RUNNING
-from labstate.runs import Prepared, Run, prepare
+from labstate.runs import Prepared, Run, page_views, prepare
 from labstate.shared import cost_profile, measure_forward_seconds
 from labstate.sessions import LabState, SessionRegistry
 from labstate.settings import Settings
@@ -43,9 +43,9 @@ def start_prepared(lab: LabState, prepared: Prepared) -> Run:
     lab.interrupt()  # a Run loop on the previous run stops
     acquire(lab)
     try:
-        rival = rt.rival_for(config.strategy) if config.compare_rival else None
         session = run_on_tensor_thread(start_session, rt.base, rt.heads_for(config.strategy), prepared.prompt_ids,
-                                       config, profile if config.auto_budget else None, rival=rival)
+                                       config, profile if config.auto_budget else None,
+                                       page=page_views(prepared.settings, rt))
         precision = prepared.settings.precision
         if precision not in lab.forward_seconds:
             lab.forward_seconds[precision] = measure_forward_seconds(rt.base, session.prompt_ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.decoder import DecodeConfig, decode
+from core.decoder import DecodeConfig, PageViews, decode
 from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
 from core.budget.cost_profile import CostProfile
 from core.strategy import AUTOREGRESSIVE
@@ -61,9 +61,9 @@ def reference(lab: LabState, run: Run) -> Reference:
     """The plain greedy run for this prompt/precision/length, computed once per user and cached."""
     key = run.reference_key
     if key not in lab.references:
-        config = DecodeConfig(spec=AUTOREGRESSIVE, max_new_tokens=run.settings.max_new_tokens,
-                              record_texts=False)
-        plain = run_on_tensor_thread(decode, run.runtime.base, None, run.session.prompt_ids, config)
+        config = DecodeConfig(spec=AUTOREGRESSIVE, max_new_tokens=run.settings.max_new_tokens)
+        plain = run_on_tensor_thread(decode, run.runtime.base, None, run.session.prompt_ids, config,
+                                     page=PageViews(texts=False))
         lab.references[key] = Reference(output_ids=list(plain.output_ids),
                                         step_seconds=[r.times.total for r in plain.records],
                                         margins=plain_margins(plain))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.accept import AcceptConfig
-from core.decoder import DecodeConfig, DecodeSession, strategy_config
+from core.decoder import DecodeConfig, DecodeSession, PageViews, strategy_config
 from core.sampling import SamplingConfig
 from core.families import family
 from core.strategy import MAX_BUDGET, MAX_NEW_TOKENS
@@ -100,11 +100,8 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     """The core DecodeConfig for these settings, plus a note on any adjustment made."""
     if settings.depth > num_heads:
         raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
-    beside = family(settings.strategy).fixed_beside
     accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
-    base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens,
-                        compare_fixed=settings.compare_fixed and beside,
-                        compare_rival=settings.compare_heads and settings.spec.grown)
+    base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens)
     config = strategy_config(settings.spec.with_budget(settings.budget), base)
     if not settings.uses_fixed_tree:  # the preset (or custom box) is read by nothing in this run
         return config, ""
@@ -114,3 +111,10 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
     if note and not family(settings.strategy).decodes_fixed_tree:
         note = f"the comparison's {note}"  # the run's own tree is dynamic: only the side-by-side tree is cut
     return replace(config, fixed_tree=tree), note
+
+
+def page_views(settings: Settings, rt: Runtime) -> PageViews:
+    """What the session records beside its steps for the page: the fixed tree (the comparison box),
+    the rival family's tree (the compare-heads box, for families sized by a budget), every text."""
+    rival = rt.rival_for(settings.strategy) if settings.compare_heads and settings.spec.grown else None
+    return PageViews(fixed=settings.compare_fixed and family(settings.strategy).fixed_beside, rival=rival)

@@ -29,7 +29,7 @@ import transformers
 from tqdm import tqdm
 
 from core.accept import AcceptConfig
-from core.decoder import DecodeConfig, decode, strategy_config
+from core.decoder import DecodeConfig, PageViews, decode, strategy_config
 from core.exactness import divergence_from_margins, plain_margins
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
 from core.drafters.hydra import load_hydra_heads
@@ -142,7 +142,7 @@ def run_one(base: BaseModel, heads: HeadSet, prompt: Prompt, spec: str, strategy
                         mean_accepted=float("nan"), seconds=seconds, tokens_per_s=len(output) / seconds,
                         phase_seconds={}, output_ids=output, category=prompt.category), None
     start = time.perf_counter()
-    session = decode(base, heads.for_strategy(strategy), prompt_ids, strategy)
+    session = decode(base, heads.for_strategy(strategy), prompt_ids, strategy, page=PageViews(texts=False))
     seconds = time.perf_counter() - start
     steps = len(session.records)
     phases = {phase: sum(getattr(r.times, phase) for r in session.records) for phase in PHASES}
@@ -322,7 +322,7 @@ def main() -> None:
     head_set = HeadSet(medusa=heads, others=others)
     sampling = SamplingConfig(temperature=args.temperature)
     rule = "greedy" if sampling.greedy else args.rule
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, record_texts=False,
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
                           accept=AcceptConfig(rule=rule, sampling=sampling))
     specs = [parse_strategy_spec(s).text for s in args.strategies.split(",") if s.strip()]  # canonical
     prompts = read_prompts(args.prompts, args.limit, args.stride, args.offset)

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from offline.bench import parse_strategy
-from core.decoder import DecodeConfig, decode
+from core.decoder import DecodeConfig, PageViews, decode
 from core.families import family
 from core.model import ModelConfig, load_base_model
 
@@ -37,15 +37,15 @@ def main() -> None:
     parser.add_argument("--prompts-from", type=Path, default=Path(__file__).resolve().parent.parent)
     args = parser.parse_args()
     base = load_base_model(ModelConfig(dtype=args.dtype, device="cpu"))
-    base_config = DecodeConfig(max_new_tokens=args.tokens, record_texts=False)
+    base_config = DecodeConfig(max_new_tokens=args.tokens)
     configs = {"ar": parse_strategy("ar", base_config), args.strategy: parse_strategy(args.strategy, base_config)}
     heads, _ = family(configs[args.strategy].strategy).load_weights(base)  # what the strategy drafts with
-    decode(base, heads, SHORT, DecodeConfig(max_new_tokens=8, record_texts=False))  # warm-up
+    decode(base, heads, SHORT, DecodeConfig(max_new_tokens=8), page=PageViews(texts=False))  # warm-up
     for label, prompt in (("short", SHORT), ("long", long_prompt(args.prompts_from))):
         for name, config in configs.items():
             per_step, rates = {p: [] for p in PHASES}, []
             for _ in range(args.repeats):
-                session = decode(base, heads, prompt, config)
+                session = decode(base, heads, prompt, config, page=PageViews(texts=False))
                 records = session.records
                 for phase in PHASES:
                     per_step[phase].append(1000 * sum(getattr(r.times, phase) for r in records) / len(records))

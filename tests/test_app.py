@@ -218,7 +218,7 @@ def test_decode_config_cuts_deep_fixed_trees_and_rejects_missing_heads():
     config, note = labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 2}), num_heads=4)
     assert all(len(p) <= 2 for p in config.fixed_tree) and "cut to depth 2" in note
     config, note = labstate.decode_config(labstate.parse_settings(SETTINGS), num_heads=4)
-    assert config.fixed_tree == "mc_sim_7b_63" and note == "" and config.compare_fixed
+    assert config.fixed_tree == "mc_sim_7b_63" and note == ""
     with pytest.raises(labstate.LabInputError, match="exceeds"):
         labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 5}), num_heads=4)
 

@@ -347,7 +347,7 @@ def test_the_draft_limit_follows_the_trees_the_last_heads_steps_kept():
 def test_node_texts_are_timed_and_charged_to_the_step():
     """The page's node texts are the step's `texts` phase, kept out of the decoding time the speed
     card compares but charged by the budget controller (trees that only pay unnamed do not pass)."""
-    from core.decoder import DecodeConfig, decode
+    from core.decoder import DecodeConfig, PageViews, decode
     from core.records import PhaseTimes
     from tests.tiny import tiny_base, tiny_heads
 
@@ -355,7 +355,8 @@ def test_node_texts_are_timed_and_charged_to_the_step():
     heads = tiny_heads(base)
     named = decode(base, heads, list(range(30, 50)), DecodeConfig(spec="dynamic:20", max_new_tokens=12))
     assert all(r.times.texts > 0 for r in named.records)
-    unnamed = decode(base, heads, list(range(30, 50)), DecodeConfig(spec="dynamic:20", max_new_tokens=12, record_texts=False))
+    unnamed = decode(base, heads, list(range(30, 50)), DecodeConfig(spec="dynamic:20", max_new_tokens=12),
+                     page=PageViews(texts=False))
     assert all(r.times.texts == 0 for r in unnamed.records)
     times = PhaseTimes(heads=0.001, verify=0.01, texts=0.002)
     assert times.total == pytest.approx(0.011) and times.charged == pytest.approx(0.013)
@@ -391,7 +392,7 @@ def test_the_page_sees_the_whole_proposal_where_a_step_verified_part_of_it(spec)
     heads drafted aside when the controller skipped them): it holds every verified node, its
     accepted path spells the accepted tokens, the rest is drawn faded, and none of it changes the
     text or the step's timed phases (a benchmark's records carry none)."""
-    from core.decoder import DecodeConfig, decode
+    from core.decoder import DecodeConfig, PageViews, decode
     from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
     from viz.tree_plot import tree_figure
 
@@ -413,5 +414,5 @@ def test_the_page_sees_the_whole_proposal_where_a_step_verified_part_of_it(spec)
         figure = tree_figure(proposal, "t", unverified=unverified)
         nodes = next(t for t in figure.data if t.name == "candidate (colour = joint p)")
         assert sorted(i for i, o in enumerate(nodes.marker.opacity) if o < 1) == sorted(unverified)
-    bench = decode(base, heads, prompt, DecodeConfig(spec=spec, max_new_tokens=24, top_m=8, record_texts=False))
+    bench = decode(base, heads, prompt, DecodeConfig(spec=spec, max_new_tokens=24, top_m=8), page=PageViews(texts=False))
     assert bench.output_ids == session.output_ids and all(r.proposal is None for r in bench.records)

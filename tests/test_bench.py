@@ -135,7 +135,7 @@ def test_forward_suffix_runs_a_strategy_on_the_other_forward():
     assert (lean.engine_name, hf.engine_name) == ("lean", "hf")
     from offline.bench import HeadSet
     rows = benchmark(lean, HeadSet(medusa=tiny_heads(lean)), [Prompt(id="p", text="hello there")],
-                     ["ar", "ar@hf", "dynamic:8@hf"], DecodeConfig(max_new_tokens=12, record_texts=False),
+                     ["ar", "ar@hf", "dynamic:8@hf"], DecodeConfig(max_new_tokens=12),
                      other_forwards={"lean": lean, "hf": hf})
     by_spec = {row.strategy: row for row in rows}
     assert by_spec["ar@hf"].output_ids == by_spec["ar"].output_ids == by_spec["dynamic:8@hf"].output_ids
@@ -155,7 +155,7 @@ def test_per_step_records_round_trip_through_the_json(monkeypatch):
     profile = CostProfile(sizes=[1, 2, 64], ms=[20.0, 22.0, 46.8])
     monkeypatch.setattr(core.decoder, "verify_profile", lambda base: profile)
     rows = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")],
-                     ["ar", "dynamic:auto"], DecodeConfig(max_new_tokens=20, record_texts=False))
+                     ["ar", "dynamic:auto"], DecodeConfig(max_new_tokens=20))
     auto = next(r for r in rows if r.strategy == "dynamic:auto")
     assert len(auto.step_nodes) == len(auto.step_tokens) == len(auto.step_verify_ms) == len(auto.step_state) \
         == auto.steps
@@ -183,7 +183,7 @@ def test_repeats_keep_the_median_run_and_every_time():
     assert picked.seconds == 2.0 and picked.repeat_seconds == [3.0, 1.0, 2.0]
     assert median_run([(row(3.0), None), (row(1.0), None)])[0].seconds == 1.0  # the lower median
     base = tiny_base("llama")
-    config = DecodeConfig(max_new_tokens=10, record_texts=False)
+    config = DecodeConfig(max_new_tokens=10)
     once = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")], ["ar", "dynamic:8"], config)
     thrice = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")], ["ar", "dynamic:8"],
                        config, repeats=3)

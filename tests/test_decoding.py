@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.decoder import DecodeConfig, decode, start_session
+from core.decoder import DecodeConfig, PageViews, decode, start_session
 from core.exactness import divergence_from_margins, explain_divergence, plain_margins
 from core.kvcache import cache_length, truncate
 
@@ -128,8 +128,8 @@ def test_commit_leaves_plain_cache(base_fp32, shipped_heads, mt_bench_prompts):
 
 
 def test_step_record_contents(base_fp32, shipped_heads, mt_bench_prompts):
-    config = DecodeConfig(spec="dynamic:20", compare_fixed=True, max_new_tokens=30)
-    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], config)
+    config = DecodeConfig(spec="dynamic:20", max_new_tokens=30)
+    session = start_session(base_fp32, shipped_heads, mt_bench_prompts[0], config, page=PageViews(fixed=True))
     record = session.step()
     outcome = record.outcome
     assert outcome.tree.num_nodes == 20 and len(outcome.node_tokens) == 21 and len(outcome.node_texts) == 21

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from core.decoder import DecodeConfig, start_session
+from core.decoder import DecodeConfig, PageViews, start_session
 from core.drafters.interface import HeadProposal
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 
@@ -15,8 +15,8 @@ def _session_with_eos_at_second_token():
     base = tiny_base("llama")
     greedy = greedy_reference(base, PROMPT, 4)  # root, g1, g2, g3 (no EOS yet)
     base.model.generation_config.eos_token_id = greedy[2]  # g2 now ends the text
-    config = DecodeConfig(spec="dynamic:3", top_m=4, depth=3, compare_fixed=True, fixed_tree=((0,), (0, 0), (0, 0, 0)))
-    session = start_session(base, tiny_heads(base, num_heads=3), PROMPT, config)
+    config = DecodeConfig(spec="dynamic:3", top_m=4, depth=3, fixed_tree=((0,), (0, 0), (0, 0, 0)))
+    session = start_session(base, tiny_heads(base, num_heads=3), PROMPT, config, page=PageViews(fixed=True))
     assert session.root_token == greedy[0]
     ids = torch.tensor([[greedy[1], 1, 2, 3], [greedy[2], 4, 5, 6], [greedy[3], 7, 8, 9]])  # [D, m] right guesses first
     proposal = HeadProposal(probs=torch.tensor([[0.9, 0.05, 0.03, 0.02]] * 3), token_ids=ids)
@@ -47,6 +47,7 @@ def test_the_fixed_tree_comparison_does_not_change_sampled_text():
     base = tiny_base("llama")
     heads = tiny_heads(base, num_heads=4)
     accept = AcceptConfig(rule="typical", sampling=SamplingConfig(temperature=0.9))
-    outputs = [decode(base, heads, PROMPT, DecodeConfig(spec="dynamic:12", max_new_tokens=40, seed=3, accept=accept, compare_fixed=compare)).output_ids
+    outputs = [decode(base, heads, PROMPT, DecodeConfig(spec="dynamic:12", max_new_tokens=40, seed=3, accept=accept),
+                      page=PageViews(fixed=compare)).output_ids
                for compare in (False, True)]
     assert outputs[0] == outputs[1]

@@ -52,7 +52,7 @@ def test_a_custom_tree_nothing_reads_never_blocks_start():
     unused = labstate.parse_settings({**broken, "strategy": "dynamic", "compare_fixed": False})
     assert not unused.uses_fixed_tree and unused.custom_tree == ()
     config, note = decode_config(unused, num_heads=4)
-    assert note == "" and config.compare_fixed is False
+    assert note == "" and config.fixed_tree == "mc_sim_7b_63"  # the default, never read (no comparison)
     with pytest.raises(labstate.LabInputError, match=r"no parent .*untick the comparison"):
         labstate.parse_settings({**broken, "strategy": "dynamic", "compare_fixed": True})
     with pytest.raises(labstate.LabInputError, match=r"no parent \[1\] in the tree$"):
@@ -250,3 +250,21 @@ def test_the_speed_card_says_measuring_until_plain_decoding_is_timed_then_compar
     emitted = len(lab.run.session.output_ids) - 1
     expected = (emitted / sum(r.times.total for r in records)) / (len(plain_steps) / sum(plain_steps))
     assert speed.ratio == pytest.approx(expected)
+
+
+def test_what_the_page_records_beside_a_run_follows_its_boxes():
+    """The comparison box verifies the fixed tree beside the families the table draws it beside; the
+    compare-heads box brings the rival family's weights (sized families only); nothing of it is in
+    the DecodeConfig, which says only how the text is decoded."""
+    from tests.tiny import tiny_hydra
+    base = tiny_base("llama")
+    hydra = tiny_hydra(base)
+    rt = Runtime(base=base, weights={"medusa": tiny_heads(base), "hydra": hydra}, heads_description="tiny")
+    views = labstate.page_views(labstate.parse_settings({"strategy": "dynamic", "compare_fixed": True,
+                                                          "compare_heads": True, "precision": "fp32"}), rt)
+    assert views.fixed and views.rival is hydra and views.texts
+    views = labstate.page_views(labstate.parse_settings({"strategy": "hydra", "compare_fixed": True,
+                                                          "precision": "fp32"}), rt)
+    assert not views.fixed and views.rival is None  # no fixed tree over grown guesses; the box was unticked
+    assert labstate.page_views(labstate.parse_settings({"strategy": "fixed", "compare_heads": True,
+                                                        "precision": "fp32"}), rt).rival is None

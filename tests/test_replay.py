@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import replace
 import sys
 from pathlib import Path
 
 import pytest
 
 import labstate
-from core.decoder import DecodeConfig, start_session, strategy_config
+from core.decoder import DecodeConfig, PageViews, start_session, strategy_config
 from core.strategy import parse_strategy
 from labstate import replay
 from tests.tiny import tiny_base, tiny_heads, tiny_hydra
@@ -31,13 +30,13 @@ def _same(left, right) -> bool:
     return left == right
 
 
-def _live_facts(spec_text: str, **config) -> RunFacts:
+def _live_facts(spec_text: str, fixed: bool = False, rival: bool = False) -> RunFacts:
     base = tiny_base("llama")
     spec = parse_strategy(spec_text)
     medusa, hydra = tiny_heads(base), tiny_hydra(base)
-    heads, rival = (hydra, medusa) if spec.family == "hydra" else (medusa, hydra)
-    decode = strategy_config(spec.with_budget(12), DecodeConfig(max_new_tokens=10, top_m=8, **config))
-    session = start_session(base, heads, PROMPT, decode, rival=rival)
+    heads, other = (hydra, medusa) if spec.family == "hydra" else (medusa, hydra)
+    decode = strategy_config(spec.with_budget(12), DecodeConfig(max_new_tokens=10, top_m=8))
+    session = start_session(base, heads, PROMPT, decode, page=PageViews(fixed=fixed, rival=other if rival else None))
     while not session.finished:
         session.step()
     stats = RunStats(tokens=len(session.output_ids), steps=len(session.records), mean_accepted=session.tokens_per_step,
@@ -45,7 +44,7 @@ def _live_facts(spec_text: str, **config) -> RunFacts:
                      vs_plain=1.7, vs_plain_basis="measured plain run", vs_plain_why="wins: a test")
     settings = {"strategy": spec.text, "budget": 12, "top_m": 8, "depth": 4, "fixed_preset": "mc_sim_7b_63",
                 "rule": "greedy", "temperature": 0.0, "precision": "fp32", "max_new_tokens": 24,
-                "compare_fixed": decode.compare_fixed, "custom_tree": "", "compare_heads": decode.compare_rival}
+                "compare_fixed": fixed, "custom_tree": "", "compare_heads": rival}
     return RunFacts(prompt="tiny", spec=spec, settings=settings, records=list(session.records),
                     output_ids=list(session.output_ids), first_text="x", text="tiny text",
                     token_bytes={t: bytes([t]) for t in range(256)}, stats=stats, check={"state": "ok"},
@@ -53,8 +52,8 @@ def _live_facts(spec_text: str, **config) -> RunFacts:
                     stop_reason="limit", model="tiny-llama", heads="tiny heads")
 
 
-@pytest.mark.parametrize("spec, config", [("dynamic", {"compare_fixed": True}), ("fixed", {}),
-                                          ("dynamic:auto+lookup", {}), ("hydra", {"compare_rival": True})])
+@pytest.mark.parametrize("spec, config", [("dynamic", {"fixed": True}), ("fixed", {}),
+                                          ("dynamic:auto+lookup", {}), ("hydra", {"rival": True})])
 def test_a_trace_draws_every_view_as_the_live_run_did(spec, config):
     live = _live_facts(spec, **config)
     loaded = load_trace(trace_json(live, {"title": "round trip"})).facts
@@ -75,7 +74,7 @@ def test_two_drafters_grow_their_trees_from_the_same_context_and_change_nothing(
     heads, rival = (hydra, medusa) if family == "hydra" else (medusa, hydra)
     config = DecodeConfig(spec=f"{family}:10", top_m=8, max_new_tokens=12)
     alone = start_session(base, heads, PROMPT, config)
-    beside = start_session(base, heads, PROMPT, replace(config, compare_rival=True), rival=rival)
+    beside = start_session(base, heads, PROMPT, config, page=PageViews(rival=rival))
     for session in (alone, beside):
         while not session.finished:
             session.step()
@@ -87,7 +86,7 @@ def test_two_drafters_grow_their_trees_from_the_same_context_and_change_nothing(
         assert record.rival.grown == (family == "dynamic")  # Hydra beside Medusa, Medusa beside Hydra
         assert record.rival.node_tokens[0] == record.outcome.node_tokens[0]  # the same root: the same context
         assert 1 <= record.rival.tree.num_nodes <= max(record.outcome.tree.num_nodes, 1)
-    facts = _live_facts(family, compare_rival=True)
+    facts = _live_facts(family, rival=True)
     view = build_view(facts, 0)
     assert "same context" in view.tree_rival.layout.title.text and view.tree_rival.data
 

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.accept import AcceptConfig
-from core.decoder import DecodeConfig, start_session
+from core.decoder import DecodeConfig, PageViews, start_session
 from core.strategy import StrategySpec
 from core.drafters.medusa import HeadsConfig, MedusaHeads
 from core.drafters.datastore import TokenStore
@@ -66,9 +66,9 @@ def draw_counts(base: BaseModel, heads: MedusaHeads | HydraHeads, rule: str, sam
     counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
     strategy = "hydra" if isinstance(heads, HydraHeads) else "dynamic"
     spec = StrategySpec(strategy, budget=10, lookup=store is not None, store=store is not None)
-    config = DecodeConfig(spec=spec, top_m=3, depth=3, max_new_tokens=3, record_texts=False,
+    config = DecodeConfig(spec=spec, top_m=3, depth=3, max_new_tokens=3,
                           accept=AcceptConfig(rule=rule, sampling=sampling), hydra_beam=3, lookup_tokens=3, store_tokens=3)
-    root_session = start_session(base, heads, PROMPT, config, store=store)
+    root_session = start_session(base, heads, PROMPT, config, store=store, page=PageViews(texts=False))
     first_token_probs = sampling_probs(base.model(input_ids=torch.tensor([PROMPT])).logits[0, -1], sampling)
     generator = torch.Generator().manual_seed(1234)
     for seed in range(draws):
@@ -158,8 +158,9 @@ SHIPPED_DRAWS = 600
 def test_shipped_model_speculative_sampling_matches_plain(base_fp32, shipped_heads):
     """The token after the root (head-proposed or bonus) follows the base distribution exactly."""
     sampling = SamplingConfig(temperature=1.0)
-    config = DecodeConfig(spec="dynamic:15", max_new_tokens=8, record_texts=False, accept=AcceptConfig(rule="speculative", sampling=sampling))
-    start = start_session(base_fp32, shipped_heads, "Write one sentence about the sea.", config)
+    config = DecodeConfig(spec="dynamic:15", max_new_tokens=8, accept=AcceptConfig(rule="speculative", sampling=sampling))
+    start = start_session(base_fp32, shipped_heads, "Write one sentence about the sea.", config,
+                          page=PageViews(texts=False))
     with torch.inference_mode():
         ids = torch.tensor([start.prompt_ids + [start.root_token]])
         exact = sampling_probs(base_fp32.model(input_ids=ids).logits[0, -1], sampling).double()  # [V]

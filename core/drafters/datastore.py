@@ -10,7 +10,7 @@ tree, scored by how often each was seen (times a per-match-length reliability le
     store = default_store()                 # the committed distillation answers
     store.search([..., 504, 5997])          # -> (match length, occurrence positions)
 
-The shipped index covers the committed answers (`assets/distill/`); a larger local one is
+The shipped index covers the committed answers of `assets/distill/distill.jsonl.gz`; a larger local one is
 built from more generated answers with `MEDUSA_LAB_STORE=data/distill_chat.jsonl` (JSONL rows
 with `answer_ids`, comma-separated paths), which need not be committed.
 """

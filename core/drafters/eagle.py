@@ -387,8 +387,9 @@ class EagleDrafter:
         self.last_state: torch.Tensor | None = None
 
     @classmethod
-    def for_session(cls, layer: object, base: BaseModel, config) -> "EagleDrafter":
-        """The drafter of an eagle session (config: a `core.decoder.DecodeConfig`)."""
+    def for_session(cls, layer: object, base: BaseModel, config, fixed: object = None) -> "EagleDrafter":
+        """The drafter of an eagle session (config: a `core.decoder.DecodeConfig`; a grown tree reads no
+        fixed tree)."""
         if not isinstance(layer, EagleLayer):
             raise ValueError(f"strategy {config.strategy!r} needs an EAGLE draft layer")
         return cls(layer, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)

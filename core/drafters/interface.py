@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import DraftProjection, MedusaHeads
-from core.families import family
 from core.drafters.grown import GrownTree
 from core.drafters.hydra import HydraHeads, PrefixCache, grow_tree
 from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
@@ -168,11 +167,11 @@ class HeadsDrafter:
         self.depth = depth
 
     @classmethod
-    def for_session(cls, heads: object, base: BaseModel, config) -> "HeadsDrafter":
-        """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`)."""
+    def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
+                    ) -> "HeadsDrafter":
+        """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`;
+        `fixed`: the fixed tree it decodes or the page draws beside, whose ranks it must cover)."""
         _check_heads(heads, MedusaHeads, "Medusa heads", config)
-        reads_fixed = family(config.strategy).decodes_fixed_tree or config.compare_fixed
-        fixed = config.resolve_fixed_tree() if reads_fixed else None
         width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
         depth = max(config.depth, fixed.max_depth if fixed else 0)
@@ -204,8 +203,10 @@ class HydraDrafter:
         self.last_state: torch.Tensor | None = None
 
     @classmethod
-    def for_session(cls, heads: object, base: BaseModel, config) -> "HydraDrafter":
-        """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`)."""
+    def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
+                    ) -> "HydraDrafter":
+        """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`; a grown tree reads no
+        fixed tree)."""
         _check_heads(heads, HydraHeads, "Hydra heads", config)
         return cls(heads, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)
 
