@@ -268,3 +268,23 @@ def test_what_the_page_records_beside_a_run_follows_its_boxes():
     assert not views.fixed and views.rival is None  # no fixed tree over grown guesses; the box was unticked
     assert labstate.page_views(labstate.parse_settings({"strategy": "fixed", "compare_heads": True,
                                                         "precision": "fp32"}), rt).rival is None
+
+
+def test_time_a_step_waits_for_its_turn_is_never_decoding_time(tiny_runtime):
+    """Issue 48: queued clicks (a step waiting for the one in flight) do not slow the speed card: its
+    tokens/s is the emitted tokens over the steps' own decoding time."""
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    labstate.step_once(lab, PROMPT, settings)
+    lab.lock.acquire()  # the step in flight holds the session
+    waiting = threading.Thread(target=labstate.step_once, args=(lab, PROMPT, settings))
+    waiting.start()
+    threading.Event().wait(0.6)  # the queued step waits this long for its turn
+    lab.lock.release()
+    waiting.join(timeout=30)
+    records = lab.run.session.records
+    assert len(records) == 2
+    decoding = sum(r.times.total for r in records)
+    assert decoding < 0.6
+    stats = labstate.facts_of(lab, lab.run).stats
+    assert stats.tokens_per_s == pytest.approx((len(lab.run.session.output_ids) - 1) / decoding)
