@@ -369,20 +369,21 @@ def test_the_plan_decides_the_drafters_and_the_node_budget_once_per_step():
     runs the chains alone, and the node budget is the smaller of the strategy's and the draft
     limit; without `auto` every step drafts everything up to the budget."""
     from core.budget.controller import ControllerState, FixedBudget
-    fixed = FixedBudget().plan(40)
+    fixed = FixedBudget().plan(40, grows=True)
     assert (fixed.state, fixed.heads, fixed.chains, fixed.max_nodes) == (ControllerState.OFF, True, True, 40)
     auto = AutoBudget(profile=PROFILE)
-    first = auto.plan(40)
+    first = auto.plan(40, grows=True)
     assert first.state == ControllerState.NORMAL and first.heads and first.max_nodes == 40
     auto.steps = 1  # steps 1, 3, 5 probe until plain speed is measured
-    probe = auto.plan(40)
+    probe = auto.plan(40, grows=True)
     assert probe.state == "probing" and not probe.heads and not probe.chains
     auto.steps = 2
     draft = build_draft_tree(heads(), [], 16, 8, 4, None)
     auto.records = [record(draft.keep(size=3), [])]
-    assert auto.plan(40).max_nodes == 6 and auto.plan(4).max_nodes == 4
+    assert auto.plan(40, grows=True).max_nodes == 6 and auto.plan(4, grows=True).max_nodes == 4
+    assert auto.plan(40, grows=False).max_nodes == 40  # ranked heads cost the same whatever the tree's size
     auto.plain_until = 10
-    backing_off = auto.plan(40)
+    backing_off = auto.plan(40, grows=True)
     assert backing_off.state == "backing off" and not backing_off.heads and backing_off.chains
 
 

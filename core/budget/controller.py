@@ -108,7 +108,7 @@ class StepPlan:
 class NodeBudget(Protocol):
     """How a session sizes its trees: `AutoBudget` (`auto`) or `FixedBudget`."""
 
-    def plan(self, budget: int) -> StepPlan: ...
+    def plan(self, budget: int, grows: bool) -> StepPlan: ...
 
     def choose(self, draft: DraftTree, heads_used: bool, context: int) -> int: ...
 
@@ -118,7 +118,7 @@ class NodeBudget(Protocol):
 class FixedBudget:
     """A strategy sized by its budget alone: every step drafts and verifies up to `budget` nodes."""
 
-    def plan(self, budget: int) -> StepPlan:
+    def plan(self, budget: int, grows: bool) -> StepPlan:
         """Every drafter, the whole budget."""
         return StepPlan(ControllerState.OFF, heads=True, chains=True, max_nodes=budget)
 
@@ -235,13 +235,14 @@ class AutoBudget:
             return ControllerState.EXPLORING
         return ControllerState.NORMAL
 
-    def plan(self, budget: int) -> StepPlan:
+    def plan(self, budget: int, grows: bool) -> StepPlan:
         """This step's drafters and node budget: none on a probe; the heads only while they may pay
-        (`use_heads`); at most `budget` nodes, and at most `draft_limit` once heads steps ran."""
+        (`use_heads`); at most `budget` nodes and, for a drafter that grows its tree (`grows`: each
+        node drafted costs), at most `draft_limit` once heads steps ran."""
         state = self.state
         if state == ControllerState.PROBING:
             return StepPlan(state, heads=False, chains=False, max_nodes=0)
-        limit = self.draft_limit()
+        limit = self.draft_limit() if grows else None
         return StepPlan(state, heads=self.use_heads(), chains=True,
                         max_nodes=budget if limit is None else min(budget, limit))
 
