@@ -97,7 +97,9 @@ def _tree(facts: RunFacts, record: StepRecord, note: str) -> Any:
     verified = proposal.tree.num_nodes - len(unverified)
     if record.controller == "probing":
         why = "none verified: this step is plain, to measure plain decoding's speed (faded: proposed, not verified)"
-    elif record.strategy in (LOOKUP, AUTOREGRESSIVE):
+    elif record.strategy == LOOKUP:
+        why = "the heads had not paid lately: the auto budget verified the lookup chain alone (the heads' nodes faded)"
+    elif record.strategy == AUTOREGRESSIVE:
         why = "none verified: the heads had not paid lately, so the auto budget skipped them (faded)"
     else:
         why = f"the budget verified the best {verified} (faded: proposed, not verified)"
