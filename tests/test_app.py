@@ -151,7 +151,7 @@ def test_view_past_step_and_trace(url):
         trace = json.loads(response.read().decode("utf-8"))
     assert len(trace["steps"]) == steps
     assert trace["meta"]["output_ids"] == final[OUT["summary"]]["output_ids"]
-    assert trace["meta"]["decode_config"]["strategy"] == "dynamic"
+    assert trace["meta"]["decode_config"]["spec"]["family"] == "dynamic"  # the strategy, carried whole
     assert all(step["comparison"] is not None for step in trace["steps"])
 
 
