@@ -198,13 +198,12 @@ class ProposedTree:
             if child is None:
                 break
             accepted.append(child)
-        head_scores = self.draft.node_head_scores()
-        scores = tree.scores if tree.scores is not None else [s or 0.0 for s in head_scores[1:]]
-        return TreeOutcome(tree=tree, node_tokens=self.node_tokens, node_scores=[1.0] + list(scores),
+        return TreeOutcome(tree=tree, node_tokens=self.node_tokens, node_scores=self.draft.node_scores(),
                            accepted_nodes=accepted, bonus_token=verified.bonus_token, node_texts=self.node_texts,
                            bonus_text=verified.bonus_text,
                            lookup_rank=self.draft.first_chain_rank if self.draft.chains else None,
-                           chain_sources=tuple(c.source for c in self.draft.chains), head_scores=head_scores)
+                           chain_sources=tuple(c.source for c in self.draft.chains),
+                           head_scores=self.draft.node_head_scores())
 
 
 @dataclass(frozen=True)
@@ -479,8 +478,7 @@ class DecodeSession:
         result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
         token_list = tokens.tolist()
         head_scores = draft.node_head_scores()
-        scores = tree.scores if tree.scores is not None else [s or 0.0 for s in head_scores[1:]]
-        return TreeOutcome(tree=tree, node_tokens=token_list, node_scores=[1.0] + list(scores),
+        return TreeOutcome(tree=tree, node_tokens=token_list, node_scores=draft.node_scores(),
                            accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
                            node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
                            lookup_rank=draft.first_chain_rank if draft.chains else None,

@@ -63,6 +63,12 @@ class DraftTree:
         """[n+1] the heads' own score of each node, root 1.0; None where only a chain proposed it."""
         return [1.0] + [self.head_scores.get(path) for path in self.tree.paths]
 
+    def node_scores(self) -> list[float]:
+        """[n+1] each node's score as the tree view colours it, root 1.0: the builder's joint
+        probability, else the heads' own (0 where only a chain proposed a node)."""
+        scores = self.tree.scores if self.tree.scores is not None else [s or 0.0 for s in self.node_head_scores()[1:]]
+        return [1.0] + list(scores)
+
     @property
     def verified_chain_depths(self) -> list[int]:
         """How deep each chain reaches in the (kept) tree."""
