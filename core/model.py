@@ -30,6 +30,7 @@ from core.machine import cpu_fingerprint, measured_quietly, median_ms
 if TYPE_CHECKING:
     from core.engine import LeanLlama, StaticCache
     from core.engine.exact import ExactLlama
+    from core.engine.gpu import GpuExactLlama
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,9 @@ class BaseModel:
         lean.load_or_choose_kernels(CACHE_DIR / "kernels")
         return lean
 
-    def _exact_engine(self, lean: "LeanLlama") -> "ExactLlama | None":
+    def _exact_engine(self, lean: "LeanLlama") -> "ExactLlama | GpuExactLlama | None":
+        if lean.device.type == "cuda":
+            return self._gpu_engine(lean)
         from core.engine.build import kernels_unavailable_reason, load_kernels
         from core.engine.exact import MODES, ExactLlama, exact_unsupported_reason
         reason = exact_unsupported_reason(lean)
@@ -163,6 +166,17 @@ class BaseModel:
                                  "default model only)")
             gguf_file = location[0] / location[1]
         return ExactLlama(lean, kernels, self.config.dtype, gguf_file)
+
+    def _gpu_engine(self, lean: "LeanLlama") -> "GpuExactLlama | None":
+        """The exact engine on a CUDA device (Triton kernels), or None where they cannot run it."""
+        from core.engine.gpu import GpuExactLlama, gpu_unsupported_reason
+        reason = gpu_unsupported_reason(lean, self.config.dtype)
+        if reason is not None:
+            if self.config.engine == "exact":
+                raise ValueError(f"the exact engine is not available: {reason}")
+            log.warning("exact GPU kernels not used (%s): the lean forward serves, exact up to rounding", reason)
+            return None
+        return GpuExactLlama(lean, self.config.dtype)
 
     @property
     def engine_name(self) -> str:
@@ -330,7 +344,7 @@ class PrecisionChoice:
     def describe(self) -> str:
         """One line for the page and the benchmark output."""
         if self.device == "cuda":
-            return "bf16 (a GPU)"
+            return f"{self.dtype} (a GPU{'' if self.dtype == 'bf16' else ' without native bf16'}; exact kernels in every precision)"
         if self.exact:
             return (f"{self.dtype}: every precision is exact here; the exact kernels measured a plain step's / an "
                     f"8-node tree's products at {self.gguf_ms:.1f} / {self.gguf_tree_ms:.1f} ms from the GGUF's "
@@ -378,8 +392,9 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
     trees: on an AVX2 CPU a bf16 plain step measured 1.36x faster, an 8-node verify 2.4x slower).
     Trees must be clearly faster too: on that CPU the 8-row products measured 0.79x and then 1.19x in
     two sessions, and a default that flips between runs breaks a class's plan (and greedy equality)."""
-    if torch.cuda.is_available():
-        return PrecisionChoice(dtype="bf16", fp32_ms=0.0, bf16_ms=0.0, device="cuda")
+    if torch.cuda.is_available():  # bf16 where the GPU computes it natively; every mode is exact there too
+        return PrecisionChoice(dtype="bf16" if torch.cuda.is_bf16_supported() else "fp32", fp32_ms=0.0, bf16_ms=0.0,
+                               device="cuda", exact=True)
     folder = cache_dir or CACHE_DIR / "precision"
     kernels = _exact_kernels()
     kind = "plain+tree"

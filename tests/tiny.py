@@ -74,21 +74,24 @@ def tiny_tokenizer(vocab_size: int = VOCAB_SIZE, eos_token_id: int | None = None
     return tokenizer
 
 
-def wrap(model: PreTrainedModel, dtype: str = "fp32", name: str = "tiny", engine: str = "auto") -> BaseModel:
+def wrap(model: PreTrainedModel, dtype: str = "fp32", name: str = "tiny", engine: str = "auto",
+         device: str = "cpu") -> BaseModel:
     """A BaseModel around an already prepared model, with the byte tokenizer; `engine` as in ModelConfig
     (`auto`: the lean forward for the Llama family, transformers' forward elsewhere)."""
     tokenizer = tiny_tokenizer(max(model.config.vocab_size, VOCAB_SIZE), model.generation_config.eos_token_id)
-    config = ModelConfig(name=name, dtype=dtype, device="cpu", engine=engine)
-    return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{name}, {dtype}, cpu")
+    config = ModelConfig(name=name, dtype=dtype, device=device, engine=engine)
+    return BaseModel(model=model, tokenizer=tokenizer, config=config, source=f"{name}, {dtype}, {device}")
 
 
 def tiny_base(arch: str = "llama", max_positions: int = 256, dtype: str = "fp32", *, seed: int = 0,
-              attn_implementation: str | None = None, engine: str = "auto", **overrides: Any) -> BaseModel:
+              attn_implementation: str | None = None, engine: str = "auto", device: str = "cpu",
+              **overrides: Any) -> BaseModel:
     """A tiny random `arch` model prepared exactly as `load_base_model` prepares a loaded one
     (supported-family check, eval, frozen, fp32 skinny linears) and wrapped as a BaseModel."""
-    model = tiny_model(arch, max_positions, dtype, seed=seed, attn_implementation=attn_implementation, **overrides)
-    prepare_model(model, torch.device("cpu"), DTYPES[dtype])
-    return wrap(model, dtype, name=f"tiny-{arch}", engine=engine)
+    model = tiny_model(arch, max_positions, dtype, seed=seed, attn_implementation=attn_implementation,
+                       **overrides).to(device)
+    prepare_model(model, torch.device(device), DTYPES[dtype])
+    return wrap(model, dtype, name=f"tiny-{arch}", engine=engine, device=device)
 
 
 def tiny_heads(base: BaseModel, num_heads: int = 4, *, num_layers: int = 1, std: float = 0.05,
@@ -105,7 +108,7 @@ def tiny_heads(base: BaseModel, num_heads: int = 4, *, num_layers: int = 1, std:
         for block in heads.heads:
             for layer in block[:num_layers]:
                 layer.linear.weight.normal_(0.0, std, generator=generator)
-    return heads.to(base.dtype).eval().requires_grad_(False)
+    return heads.to(device=base.device, dtype=base.dtype).eval().requires_grad_(False)
 
 
 def greedy_reference(base: BaseModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -137,7 +140,7 @@ def tiny_hydra(base: BaseModel, num_heads: int = 4, *, std: float = 0.05, seed: 
             for weight in (heads.prefix.qkv.weight, heads.prefix.out.weight, heads.prefix.gate_up.weight,
                            heads.prefix.down.weight):
                 weight.normal_(0.0, 4 * std, generator=generator)
-    return heads.to(base.dtype).eval().requires_grad_(False)
+    return heads.to(device=base.device, dtype=base.dtype).eval().requires_grad_(False)
 
 
 def tiny_eagle(base: BaseModel, *, std: float = 0.1, seed: int = 0) -> "EagleLayer":
@@ -157,4 +160,4 @@ def tiny_eagle(base: BaseModel, *, std: float = 0.1, seed: int = 0) -> "EagleLay
         for name, weight in layer.named_parameters():
             if weight.dim() == 2:
                 weight.normal_(0.0, std, generator=generator)
-    return layer.to(base.dtype).eval().requires_grad_(False)
+    return layer.to(device=base.device, dtype=base.dtype).eval().requires_grad_(False)

@@ -308,9 +308,9 @@ def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftPro
     for level_depth in range(1, depth):
         frontier = sorted(level, key=lambda n: -n.score)[: min(beam, budget)]
         states = torch.stack([parent_state[n.path[:-1]] for n in frontier])  # [B, H]
-        embeds = embed(torch.tensor([n.tokens[-1] for n in frontier])).to(dtype)  # [B, H]
+        embeds = embed(torch.tensor([n.tokens[-1] for n in frontier], device=root_state.device)).to(dtype)  # [B, H]
         known = 0 if draft_k is None else draft_k.shape[1]
-        ancestors = torch.zeros(len(frontier), known, dtype=torch.bool)
+        ancestors = torch.zeros(len(frontier), known, dtype=torch.bool, device=root_state.device)
         for row, node in enumerate(frontier):
             for d in range(1, len(node.path)):
                 ancestors[row, index_of[node.path[:d]]] = True
@@ -413,7 +413,8 @@ class EagleDrafter:
             fresh = torch.cat([c.to(self.dtype) for c in chunks[self.seen_chunks:]])  # [n, 3H]
             rows = self.seen_rows + fresh.shape[0]
             # history row i is followed by token i of the answer's last `rows` tokens (the root last)
-            following = torch.tensor(list(context.tokens[len(context.tokens) - rows + self.seen_rows:]))  # [n]
+            following = torch.tensor(list(context.tokens[len(context.tokens) - rows + self.seen_rows:]),
+                                     device=fresh.device)  # [n]
             outputs, self.cache = self.layer.extend(self.cache, fresh, self.embed(following))
             self.seen_chunks, self.seen_rows, self.last_state = len(chunks), rows, outputs[-1]
         return self.last_state
