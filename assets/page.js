@@ -17,6 +17,19 @@
     const button = target && document.querySelector(target);
     if (button) { event.preventDefault(); button.click(); }
   });
+  // a plot Gradio takes out of the page is purged: Plotly's window-level resize handler would
+  // otherwise keep every replaced plot (its SVG and listeners) alive, some 1,250 nodes a step
+  const purgeRemoved = (records) => {
+    if (!window.Plotly) { return; }
+    for (const record of records) {
+      for (const node of record.removedNodes) {
+        if (!(node instanceof Element) || node.isConnected) { continue; }
+        const plots = node.classList.contains('js-plotly-plot') ? [node] : node.querySelectorAll('.js-plotly-plot');
+        plots.forEach((plot) => window.Plotly.purge(plot));
+      }
+    }
+  };
+  new MutationObserver(purgeRemoved).observe(document.body, { childList: true, subtree: true });
   // larger type for a projector
   document.addEventListener('change', (event) => {
     if (event.target instanceof HTMLInputElement && event.target.closest('#presenter-toggle')) {
