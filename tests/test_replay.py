@@ -1,6 +1,7 @@
 """Traces and replay: a recorded run draws the same views as the live run it recorded, without a model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -63,6 +64,9 @@ def test_a_trace_draws_every_view_as_the_live_run_did(spec, config):
         for name in VIEW_FIELDS:
             if name == "status":  # the replay says it is one
                 assert theirs.status.endswith(ours.status) and "Replay of a recorded run" in theirs.status
+                continue
+            if name == "notice":  # and says what it was recorded with
+                assert theirs.notice.startswith(ours.notice) and "**Recorded with:**" in theirs.notice
                 continue
             assert _same(getattr(ours, name), getattr(theirs, name)), (spec, index, name)
 
@@ -267,3 +271,18 @@ def test_the_opening_gallery_run_opens_where_the_dynamic_tree_beats_the_fixed_on
     record = replay.replay_facts(opening).records[-1]
     assert record.comparison is not None
     assert record.outcome.accepted_length > record.comparison.accepted_length
+
+
+def test_a_recording_on_screen_says_the_settings_it_was_recorded_with():
+    """Beside the tree, a replay names its own strategy, precision, acceptance rule and token limit
+    (the settings panel sets up live runs, and the page says so); a live run's notice has no such line."""
+    state = replay.open_gallery("speculative_sampling")
+    facts = replay.replay_facts(state)
+    notice = build_view(facts, state.shown - 1).notice
+    settings = facts.settings
+    assert "**Recorded with:**" in notice and "sets up live runs" in notice
+    assert facts.strategy_label in notice and f"precision {settings['precision']}" in notice
+    assert f"{settings['rule']} acceptance at temperature {settings['temperature']:g}" in notice
+    assert f"up to {settings['max_new_tokens']} new tokens" in notice
+    live = dataclasses.replace(facts, recording="", notice="", step_notes={})
+    assert "Recorded with" not in build_view(live, 0).notice

@@ -188,13 +188,32 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
 
 
 def _notice(facts: RunFacts, index: int | None) -> str:
-    """What to notice beside the tree: this step's note, else the recorded run's (replay only)."""
+    """What to notice beside the tree: this step's note, else the recorded run's (replay only); under
+    it, for a recording, the settings it was recorded with."""
+    text = ""
     if index is not None and facts.step_notes.get(index):
-        return f"**What to notice at step {index + 1}:** {facts.step_notes[index]}"
-    if facts.notice:
+        text = f"**What to notice at step {index + 1}:** {facts.step_notes[index]}"
+    elif facts.notice:
         noted = ", ".join(str(i + 1) for i in sorted(facts.step_notes)[:12])
-        return f"**What to notice:** {facts.notice}" + (f" Steps with a note: {noted}." if noted else "")
-    return ""
+        text = f"**What to notice:** {facts.notice}" + (f" Steps with a note: {noted}." if noted else "")
+    if facts.recording:
+        text = "\n\n".join(part for part in (text, recorded_settings(facts)) if part)
+    return text
+
+
+def recorded_settings(facts: RunFacts) -> str:
+    """A recording's own settings in one line: what the steps on screen were decoded with (the
+    settings panel beside it sets up live runs)."""
+    settings = facts.settings
+    parts = [facts.strategy_label, f"precision {settings.get('precision', '?')}"]
+    if FAMILIES[facts.spec.family].drafts:
+        parts.append(f"top-{settings.get('top_m', '?')}, depth {settings.get('depth', '?')}")
+    rule, temperature = settings.get("rule", "greedy"), float(settings.get("temperature", 0.0) or 0.0)
+    parts.append(f"{rule} acceptance" + (f" at temperature {temperature:g}" if temperature else ""))
+    parts.append(f"up to {settings.get('max_new_tokens', '?')} new tokens")
+    model = f"; {facts.model}" if facts.model else ""
+    return (f"**Recorded with:** {', '.join(parts)}{model}. The settings panel sets up live runs; "
+            "it does not change this recording.")
 
 
 def _stats(facts: RunFacts) -> str:
