@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -130,7 +131,8 @@ class _Graph:
             engine._layers(self.ids, self.positions, cache, self.plan, taps)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another session's thread working on the GPU meanwhile does not break the capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.hidden, self.tapped = engine._layers(self.ids, self.positions, cache, self.plan, taps)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, plan: RowPlan, past: int
@@ -187,6 +189,7 @@ class GpuExactLlama:
         self.graphs_enabled = wanted and self.device.type == "cuda"
         self._graphs: OrderedDict[int, CacheGraphs] = OrderedDict()  # by the cache's storage, newest last
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
+        self._lock = threading.Lock()
 
     # -- caches ---------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> StaticCache:
@@ -218,11 +221,12 @@ class GpuExactLlama:
         cache.reserve(n)
         plan = RowPlan.build(n, past, tree_mask, self.device)
         ids, positions = input_ids.to(self.device), position_ids.to(self.device)
-        graph = self._graph_for(n, past, cache, taps, plan)
-        if graph is not None:
-            hidden, tapped = graph.run(ids, positions, plan, past)
-        else:
-            hidden, tapped = self._layers(ids, positions, cache, plan, taps)
+        with self._lock:  # one forward at a time: sessions' threads share the graphs' memory pool
+            graph = self._graph_for(n, past, cache, taps, plan)
+            if graph is not None:
+                hidden, tapped = graph.run(ids, positions, plan, past)
+            else:
+                hidden, tapped = self._layers(ids, positions, cache, plan, taps)
         cache.advance(n)
         return hidden.to(self.dtype), (tapped.to(self.dtype) if tapped is not None else None)
 
@@ -273,7 +277,8 @@ class GpuExactLlama:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of hidden [..., H]: [..., V] fp32, by the same row-invariant product."""
         flat = hidden.reshape(-1, hidden.shape[-1]).to(device=self.device, dtype=torch.float32).contiguous()
-        logits = self.kernels.matmul(flat, self.lm_head, self.lm_head_bias)  # [rows, V]
+        with self._lock:  # never beside another thread's graph capture
+            logits = self.kernels.matmul(flat, self.lm_head, self.lm_head_bias)  # [rows, V]
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
     # -- drafters' products ---------------------------------------------------------------------
