@@ -26,6 +26,7 @@ import functools
 import logging
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -70,9 +71,13 @@ def _outputs(view: View) -> tuple:
 
 
 def render(lab: labstate.LabState | None, index: int | None = None, message: str = "") -> tuple:
-    """Every output for step `index` (0-based; default: the latest) of the user's current run."""
+    """Every output for step `index` (0-based; default: the latest) of the user's current run; the time
+    it takes is the page's overhead, shown beside the speed (never in it)."""
+    started = time.perf_counter()
     run = lab.run if lab is not None else None
-    return _outputs(build_view(labstate.facts_of(lab, run) if run is not None else None, index, message))
+    outputs = _outputs(build_view(labstate.facts_of(lab, run) if run is not None else None, index, message))
+    labstate.note_page_time(lab, time.perf_counter() - started)
+    return outputs
 
 
 def _session_key(request: gr.Request | None) -> str:

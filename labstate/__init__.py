@@ -34,7 +34,7 @@ _HOMES = {
     "plain": ("GreedyCheck", "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check",
               "reference", "speed_vs_plain"),
     "lifecycle": ("DROPPED_STEP", "check_now", "decoding_state", "ensure_run", "export_trace", "facts_of",
-                  "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
+                  "note_page_time", "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
                   "step_once", "step_run", "stop", "wait_idle"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -5,6 +5,7 @@ Everything here changes or reads one user's `LabState`; nothing here draws (viz 
 """
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from dataclasses import asdict
@@ -214,7 +215,7 @@ def facts_of(lab: LabState, run: Run) -> RunFacts:
     stats = RunStats(tokens=len(session.output_ids), steps=len(session.records), mean_accepted=session.tokens_per_step,
                      tokens_per_s=emitted / decode_seconds if decode_seconds > 0 else 0.0, status=run.state,
                      check=check.text, check_state=check.state, vs_plain=speed.ratio, vs_plain_basis=speed.basis,
-                     vs_plain_why=speed.why)
+                     vs_plain_why=speed.why, page_ms=_median_ms(run.page_seconds))
     first = session.output_ids[0]
     first_text = session.records[0].outcome.node_texts[0] if session.records else rt.base.token_texts([first])[0]
     return RunFacts(prompt=run.prompt, spec=run.settings.spec, settings=run.settings.raw(), records=session.records,
@@ -222,6 +223,17 @@ def facts_of(lab: LabState, run: Run) -> RunFacts:
                     token_bytes=rt.token_bytes, stats=stats, check=asdict(check), ar=ar_baseline(lab, run),
                     state=run.state, note=run.note, finished=session.finished, stop_reason=session.stop_reason,
                     model=rt.base.source, heads=rt.heads_description)
+
+
+def note_page_time(lab: LabState | None, seconds: float) -> None:
+    """Record how long the page took to draw a view of the current run (its figures and tables): shown
+    beside the speed, never counted in it."""
+    if lab is not None and lab.run is not None:
+        lab.run.page_seconds.append(seconds)
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return statistics.median(seconds) * 1e3 if seconds else None
 
 
 def run_trace(lab: LabState | None, extra: dict | None = None) -> str:

@@ -1,7 +1,7 @@
 """A run: one prompt decoded with fixed settings, started (checked, tokenized, prefilled) and stepped."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from core.accept import AcceptConfig
 from core.decoder import DecodeConfig, DecodeSession, PageViews, strategy_config
@@ -27,6 +27,7 @@ class Run:
     session: DecodeSession
     note: str = ""
     mode: str = READY  # READY after Start, PAUSED after a Step, RUNNING inside Run to end, STOPPED after Stop
+    page_seconds: list[float] = field(default_factory=list)  # drawing each view of this run (the page's, not decoding's)
 
     @property
     def reference_key(self) -> tuple[str, str, int]:

