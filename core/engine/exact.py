@@ -22,7 +22,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, SlotCache, StaticCache
+from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, OnLeanForward, StaticCache
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class KernelProduct:
         return out.reshape(*x.shape[:-1], self.weight.out).to(x.dtype)
 
 
-class ExactLlama:
+class ExactLlama(OnLeanForward):
     """The exact forward of a model the lean forward covers; the same interface as `LeanLlama`
     (`forward`, `project`, `new_cache`), plus `mode`. Batched generation stays on the lean forward."""
 
@@ -178,15 +178,6 @@ class ExactLlama:
         return StaticCache(len(lean.layers), lean.kv_heads, lean.head_dim, dtype=torch.float32, device=self.device,
                            limit=self.max_positions + TREE_ROWS_MARGIN, capacity=capacity)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
-        holds them too; among the new tokens `tree_mask` (bool [n, n]) or causal order. Computed in
-        fp32, returned in the model's precision (what its heads read; a plain step rounds alike)."""
-        if not isinstance(cache, StaticCache):  # a slot of batched generation: the lean forward's
-            return self.lean.forward(input_ids, position_ids, cache, tree_mask)
-        return self.forward_tapped(input_ids, position_ids, cache, tree_mask)[0]
-
     @torch.inference_mode()
     def forward_tapped(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
                        tree_mask: torch.Tensor | None = None, taps: tuple[int, ...] = ()
@@ -231,13 +222,6 @@ class ExactLlama:
         fmt = BF16 if data.dtype == torch.bfloat16 else F32
         data = data if fmt == BF16 else data.float().contiguous()
         return KernelProduct(self.kernels, self.kernels.Weight(fmt, data, data.shape[0], data.shape[1]))
-
-    def new_slots(self, slots: int, capacity: int) -> SlotCache:
-        return self.lean.new_slots(slots, capacity)
-
-    def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Batched generation (data generation) runs on the lean forward."""
-        return self.lean.forward_slots(input_ids, cache)
 
     def describe(self) -> str:
         """One line for the page and the benchmark: the mode and what its products read."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, SlotCache, StaticCache
+from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, OnLeanForward, StaticCache
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class _Graph:
         return self.hidden[:n].clone(), tapped
 
 
-class GpuExactLlama:
+class GpuExactLlama(OnLeanForward):
     """The exact forward on a CUDA device; the interface of `ExactLlama` (`forward`, `forward_tapped`,
     `project`, `new_cache`, `draft_product`, `kernel_product`, `mode`, `describe`). Batched
     generation stays on the lean forward."""
@@ -201,14 +201,6 @@ class GpuExactLlama:
                            limit=limit, capacity=limit if self.device.type == "cuda" else max(capacity, 1))
 
     # -- the forward ----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
-        holds them too; among the new tokens `tree_mask` (bool [n, n]) or causal order."""
-        if not isinstance(cache, StaticCache):  # a slot of batched generation: the lean forward's
-            return self.lean.forward(input_ids, position_ids, cache, tree_mask)
-        return self.forward_tapped(input_ids, position_ids, cache, tree_mask)[0]
-
     @torch.inference_mode()
     def forward_tapped(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache,
                        tree_mask: torch.Tensor | None = None, taps: tuple[int, ...] = ()
@@ -290,13 +282,6 @@ class GpuExactLlama:
     def kernel_product(self, weight: torch.Tensor) -> "TorchProduct":
         """A drafter's own layer's product (weight [out, in]) in bf16 through the library."""
         return TorchProduct(weight)
-
-    def new_slots(self, slots: int, capacity: int) -> SlotCache:
-        return self.lean.new_slots(slots, capacity)
-
-    def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Batched generation (data generation) runs on the lean forward."""
-        return self.lean.forward_slots(input_ids, cache)
 
     def describe(self) -> str:
         """One line for the page and the benchmark: the mode and what its products read."""

@@ -525,6 +525,29 @@ class LeanLlama:
         return report
 
 
+class OnLeanForward:
+    """What an exact engine (CPU or GPU) leaves to the lean forward it wraps (`self.lean`): batched
+    generation's slots, and any forward over one of their slots. The engine supplies `forward_tapped`."""
+
+    lean: LeanLlama
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StaticCache | SlotView,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
+        holds them too; among the new tokens `tree_mask` (bool [n, n]) or causal order. Computed in
+        fp32, returned in the model's precision (what its heads read; a plain step rounds alike)."""
+        if not isinstance(cache, StaticCache):  # a slot of batched generation: the lean forward's
+            return self.lean.forward(input_ids, position_ids, cache, tree_mask)
+        return self.forward_tapped(input_ids, position_ids, cache, tree_mask)[0]
+
+    def new_slots(self, slots: int, capacity: int) -> SlotCache:
+        return self.lean.new_slots(slots, capacity)
+
+    def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Batched generation (data generation) runs on the lean forward."""
+        return self.lean.forward_slots(input_ids, cache)
+
+
 def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats: int = KERNEL_REPEATS
                  ) -> dict[int, dict[str, float]]:
     """Median ms of every kernel available for `matmuls` (one weight shape, one precision) at each
