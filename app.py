@@ -67,6 +67,7 @@ def _outputs(view: View) -> tuple:
         else "Revisit a step (after the first step)")
     values["notice"] = gr.Markdown(view.notice, visible=bool(view.notice))  # no empty box beside a live tree
     values["tree_rival"] = gr.Plot(view.tree_rival, visible=view.tree_rival is not None)
+    values["recording"] = gr.Markdown(view.recording, visible=bool(view.recording))  # in place of the live controls
     return tuple(values[name] for name in VIEW_FIELDS)
 
 
@@ -190,6 +191,11 @@ def _forget_replay() -> None:
     """A live event draws the live run: the Revisit slider must revisit that run, not an earlier replay."""
 
 
+def on_live(request: gr.Request = None) -> tuple:
+    """Leave the recording on screen for the user's live run (its prompt and settings as they left them)."""
+    return (None, *_user_view(request)(""))
+
+
 def on_check(request: gr.Request = None) -> tuple:
     """Run plain greedy decoding now and compare the output so far."""
     def check() -> tuple:
@@ -279,7 +285,9 @@ def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> t
         return action()
     except labstate.LabInputError as error:  # a bad upload, the end of a recording: the page keeps its view
         gr.Warning(str(error).replace("**", ""))
-        return (state, *(_replay_view(state, f"⚠️ {error}")[1:] if state else _outputs(empty_view(f"⚠️ {error}"))))
+        if state is not None:
+            return (state, *_replay_view(state, f"⚠️ {error}")[1:])
+        return (state, *_outputs(empty_view(f"⚠️ {error}", hint="Pick a gallery run or upload a trace.")))
 
 
 def on_pick(name: str, state: replay.Replay | None = None) -> tuple:
@@ -374,10 +382,11 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "") -> gr.Blocks:
         model_info = header(replay_only, why)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=330, elem_classes=["controls"]):
-                replay_box = replay_controls(replay.gallery(), open_=replay_only)
+                replay_box = replay_controls(replay.gallery(), open_=replay_only, live=not replay_only)
                 controls = None if replay_only else live_controls(DEFAULT_PROMPT, _settings_panel)
             with gr.Column(scale=3, min_width=600):
                 panel = view_panel(RESULTS, ASSETS / "how_it_works.md")
+        panel["recording"] = replay_box["recording"]  # drawn where the live settings are
         view = [panel[name] for name in VIEW_OUTPUT_NAMES]
         _wire_replay(replay_box, view)
         if replay_only:
@@ -388,6 +397,8 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "") -> gr.Blocks:
                 demo.load(lambda: on_pick(first), None, [replay_box["state"], *view], api_visibility="private")
         else:
             _wire_live(controls, view, replay_box["state"])
+            replay_box["live"].click(on_live, None, [replay_box["state"], *view], api_visibility="private",
+                                     show_progress="hidden", queue=False)
             panel["step_slider"].release(on_view, [panel["step_slider"], replay_box["state"]],
                                          [replay_box["state"], *view], api_name="view", show_progress="hidden",
                                          preprocess=False)

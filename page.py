@@ -50,19 +50,27 @@ def header(replay_only: bool, why: str = "") -> gr.Markdown:
     return gr.Markdown("Loading the model…", elem_classes=["model-info"], elem_id="model-info")
 
 
-def replay_controls(gallery: tuple, open_: bool) -> dict:
-    """The gallery picker, the trace upload and the replay's Back / Step / Run to end, with its state."""
-    with gr.Accordion("Recorded runs: the gallery (no model needed)", open=open_, elem_id="replay-box"):
+def replay_controls(gallery: tuple, open_: bool, live: bool) -> dict:
+    """The gallery picker, the trace upload, the replay's Back / Step / Run to end, with its state, and the
+    recording's settings (read-only). On a `live` page the replay's buttons and the recording's settings
+    show only while a recording is on screen, in place of the live controls (assets/app.css), with a button
+    back to the live run: one Step / Run to end pair on screen at a time."""
+    with gr.Accordion("Recorded runs: the gallery (no model needed)", open=open_, elem_id="replay-box",
+                      elem_classes=["live-page"] if live else []):
         choices = [(entry.title, entry.name) for entry in gallery]
         box = {"state": gr.State(None),
                "pick": gr.Dropdown(choices, value=choices[0][1] if open_ and choices else None,
                                    label="Gallery run (each shows one thing)", elem_id="gallery-pick"),
-               "upload": gr.File(label="…or replay a trace you exported (.json)", file_types=[".json"],
-                                 type="binary", elem_id="trace-upload", height=130)}
-        with gr.Row():
+               "upload": gr.UploadButton("…or replay a trace you exported (.json)", file_types=[".json"],
+                                         type="binary", size="sm", elem_id="trace-upload")}
+        with gr.Row(elem_id="replay-buttons"):
             box["back"] = gr.Button("◀ Back", size="sm", elem_id="replay-back-btn")
             box["step"] = gr.Button("Step ▶", variant="primary", size="sm", elem_id="replay-step-btn")
             box["end"] = gr.Button("Run to end ▶▶", size="sm", elem_id="replay-end-btn")
+        box["recording"] = gr.Markdown("", visible=False, elem_id="recording-settings")
+        if live:
+            box["live"] = gr.Button("◀ Back to your live run (prompt and settings)", size="sm",
+                                    elem_id="back-to-live-btn")
         gr.Checkbox(False, label="Large type (presenter: ← → keys step the replay)", elem_id="presenter-toggle",
                     interactive=True)
     return box
@@ -71,6 +79,11 @@ def replay_controls(gallery: tuple, open_: bool) -> dict:
 def live_controls(default_prompt: str, settings_panel: Callable[[], list]) -> dict:
     """The prompt, the decoding buttons, the settings and the export box."""
     examples = mt_bench_examples()
+    with gr.Column(elem_id="live-controls"):  # hidden while a recording is on screen (assets/app.css)
+        return _live_controls(examples, default_prompt, settings_panel)
+
+
+def _live_controls(examples: dict[str, str], default_prompt: str, settings_panel: Callable[[], list]) -> dict:
     controls = {"examples": examples,
                 "example": gr.Dropdown(list(examples), value=None, label="MT-Bench examples", filterable=True),
                 "prompt": gr.Textbox(default_prompt, label="Prompt", lines=4, max_lines=10, elem_id="prompt")}

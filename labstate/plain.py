@@ -95,7 +95,7 @@ def greedy_check(lab: LabState, run: Run) -> GreedyCheck:
     ours = list(run.session.output_ids)
     position = _divergence(ours, ref.output_ids) if ref is not None else None
     if ref is None or (position is not None and position not in ref.gaps):
-        return GreedyCheck("pending", "checked when the run ends (or press Check)")
+        return GreedyCheck("pending", "at the end (or Check)")
     if position is None:
         common = min(len(ours), len(ref.output_ids))
         if len(ours) == len(ref.output_ids):

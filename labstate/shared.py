@@ -158,12 +158,19 @@ def measure_forward_seconds(base: BaseModel, prompt_ids: list[int], repeats: int
 
 
 def header_line() -> str:
-    """The page's header: the model, heads, forward and default precision (loads the default model once)."""
+    """The page's header: one line (model, precision, forward, drafters) over the whole description
+    (model source, heads, forward, how the default precision was chosen), folded so the tree stays in view."""
     rt = runtime(machine_precision())
     if rt.base.exact:
         forward = (f"{rt.base.engine.describe()}: every tree row is bitwise the plain step's, so every precision "
                    f"gives plain greedy decoding's text")
     else:
         forward = f"{rt.base.engine_name} (exact up to rounding: a near-tie can flip a token, shown with its gap)"
-    return (f"**Base model:** {rt.base.source} · **Heads:** {rt.heads_description} · **Forward:** {forward} · "
-            f"**Default precision:** {precision_choice().describe()}. (Terms: the *Glossary* in How it works.)")
+    shipped = {entry.weights_name: None for entry in FAMILIES.values()
+               if entry.drafts and rt.weights.get(entry.weights_key) is not None}
+    drafters = "drafters: " + (", ".join(shipped) or "none shipped")
+    short = (f"<b>{rt.base.source.split(' (')[0]}</b> · {rt.base.config.dtype} · "
+             f"{'exact kernels' if rt.base.exact else rt.base.engine_name + ' forward, exact up to rounding'} · {drafters}")
+    return (f"<details><summary>{short} <i>(details)</i></summary>\n\n**Base model:** {rt.base.source} · "
+            f"**Heads:** {rt.heads_description} · **Forward:** {forward} · **Default precision:** "
+            f"{precision_choice().describe()}. (Terms: the *Glossary* in How it works.)\n\n</details>")

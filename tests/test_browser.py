@@ -321,3 +321,56 @@ def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
     page.wait_for_function(STEPS_JS, arg=stopped + 1, timeout=UI_TIMEOUT_MS)
     page.wait_for_timeout(3000)
     assert _steps(page) == stopped + 1
+
+
+VISIBLE_BUTTONS_JS = """(pattern) => [...document.querySelectorAll('button')]
+    .filter(b => b.offsetParent !== null && new RegExp(pattern).test(b.innerText.trim())).map(b => b.id)"""
+SHOWN_JS = "(s) => { const e = document.querySelector(s); return !!e && e.offsetParent !== null; }"
+
+
+def _pick_first_gallery_run(page) -> None:
+    page.get_by_text("Recorded runs: the gallery").click()
+    page.locator("#gallery-pick input").click()
+    page.locator("ul[role=listbox] li").first.click()
+    page.wait_for_function("() => (document.querySelector('#status') || {}).textContent?.includes('Replay of')",
+                           timeout=UI_TIMEOUT_MS)
+
+
+def test_a_recording_on_screen_takes_the_place_of_the_live_controls(page, shots):
+    """Issue 48: while a recording is on screen its own settings show read-only where the live controls
+    were, the live header's model line gives way, and one Step / Run to end pair (the replay's) is on the
+    page; back on the live run, the live controls return with the prompt and settings as they were, and
+    the replay's buttons go. At 1280x800 the tree's top is in view in both."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.get_by_label("Prompt", exact=True).fill("Name three rivers in Europe.")
+    _set_number(page, "max-new", 17)
+    _step(page, 1)
+    assert page.evaluate(VISIBLE_BUTTONS_JS, "^(Step|Run to end)") == ["step-btn", "run-btn"]
+    page.evaluate("window.scrollTo(0, 0)")
+    assert page.evaluate("() => document.querySelector('#tree-plot').getBoundingClientRect().top < 800 - 150")
+    page.screenshot(path=str(shots / "live_1280x800.png"))
+
+    _pick_first_gallery_run(page)
+    assert page.evaluate(VISIBLE_BUTTONS_JS, "^(Step|Run to end)") == ["replay-step-btn", "replay-end-btn"]
+    assert not page.evaluate(SHOWN_JS, "#live-controls") and not page.evaluate(SHOWN_JS, "#model-info")
+    recorded = page.locator("#recording-settings").inner_text()
+    assert "This recording's settings" in recorded and "fp32" in recorded and "sky is blue" in recorded
+    page.evaluate("window.scrollTo(0, 0)")
+    assert page.evaluate("() => document.querySelector('#tree-plot').getBoundingClientRect().top < 800 - 150")
+    page.screenshot(path=str(shots / "replay_on_live_page_1280x800.png"))
+    shown = _steps(page)
+    page.locator("#replay-step-btn").click()
+    page.wait_for_function(STEPS_JS, arg=shown + 1, timeout=UI_TIMEOUT_MS)
+
+    trace = REPO / "assets" / "gallery" / json.loads((REPO / "assets/gallery/index.json").read_text())["runs"][1]["file"]
+    page.locator("#trace-upload").locator("xpath=..").locator("input[type=file]").set_input_files(str(trace))
+    page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('Loaded your trace')",
+                           timeout=UI_TIMEOUT_MS)
+
+    page.locator("#back-to-live-btn").click()
+    page.wait_for_function(STEPS_JS, arg=1, timeout=UI_TIMEOUT_MS)
+    page.wait_for_function(SHOWN_JS, arg="#live-controls", timeout=UI_TIMEOUT_MS)
+    assert page.evaluate(VISIBLE_BUTTONS_JS, "^(Step|Run to end)") == ["step-btn", "run-btn"]
+    assert not page.evaluate(SHOWN_JS, "#back-to-live-btn") and page.evaluate(SHOWN_JS, "#model-info")
+    assert page.get_by_label("Prompt", exact=True).input_value() == "Name three rivers in Europe."
+    assert page.locator("#max-new input[type=number]").input_value() == "17"

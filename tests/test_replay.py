@@ -65,8 +65,11 @@ def test_a_trace_draws_every_view_as_the_live_run_did(spec, config):
             if name == "status":  # the replay says it is one
                 assert theirs.status.endswith(ours.status) and "Replay of a recorded run" in theirs.status
                 continue
-            if name == "notice":  # and says what it was recorded with
-                assert theirs.notice.startswith(ours.notice) and "**Recorded with:**" in theirs.notice
+            if name == "tree_compare" and "comparison is off" in ours.tree_compare.to_json():
+                assert "recorded without the fixed-tree comparison" in theirs.tree_compare.to_json()
+                continue  # a recording never asks to tick a box it lacks
+            if name == "recording":  # and shows what it was recorded with, where a live run shows nothing
+                assert ours.recording == "" and "This recording's settings" in theirs.recording
                 continue
             assert _same(getattr(ours, name), getattr(theirs, name)), (spec, index, name)
 
@@ -273,16 +276,26 @@ def test_the_opening_gallery_run_opens_where_the_dynamic_tree_beats_the_fixed_on
     assert record.outcome.accepted_length > record.comparison.accepted_length
 
 
-def test_a_recording_on_screen_says_the_settings_it_was_recorded_with():
-    """Beside the tree, a replay names its own strategy, precision, acceptance rule and token limit
-    (the settings panel sets up live runs, and the page says so); a live run's notice has no such line."""
+def test_a_recording_on_screen_shows_the_settings_it_was_recorded_with():
+    """In place of the live settings, a replay shows its own prompt, strategy, precision, acceptance rule
+    and token limit, read-only; a live run shows none (the page then shows the live controls)."""
     state = replay.open_gallery("speculative_sampling")
     facts = replay.replay_facts(state)
-    notice = build_view(facts, state.shown - 1).notice
+    shown = build_view(facts, state.shown - 1).recording
     settings = facts.settings
-    assert "**Recorded with:**" in notice and "sets up live runs" in notice
-    assert facts.strategy_label in notice and f"precision {settings['precision']}" in notice
-    assert f"{settings['rule']} acceptance at temperature {settings['temperature']:g}" in notice
-    assert f"up to {settings['max_new_tokens']} new tokens" in notice
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in shown.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert rows["Strategy"] == facts.strategy_label and rows["Precision"] == settings["precision"]
+    assert rows["Acceptance"] == f"{settings['rule']} at temperature {settings['temperature']:g}"
+    assert rows["Max new tokens"] == str(settings["max_new_tokens"])
+    assert "Recorded with" not in build_view(facts, 0).notice  # the notice column keeps to what to notice
     live = dataclasses.replace(facts, recording="", notice="", step_notes={})
-    assert "Recorded with" not in build_view(live, 0).notice
+    assert build_view(live, 0).recording == ""
+
+
+def test_recording_settings_escape_what_the_prompt_holds():
+    """A trace's prompt is anyone's text: pipes, markup and line breaks cannot break the table or the page."""
+    state = replay.open_gallery("speculative_sampling")
+    facts = dataclasses.replace(replay.replay_facts(state), prompt="a | b\n<img src=x onerror=alert(1)> **bold**")
+    shown = build_view(facts, 0).recording
+    assert "<img" not in shown.replace("\\<img", "") and "a \\| b" in shown and "\\*\\*bold" in shown

@@ -5,6 +5,7 @@ name (`VIEW_FIELDS`), never patched by position. The app turns it into Gradio up
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ class View:
     verify: str
     tree_rival: Any  # the other heads family's tree on the same context (Medusa <-> Hydra); None when not asked
     notice: str  # replay: what to notice at this step (or in the run), beside the tree
+    recording: str  # replay: the recording's own settings, read-only, where the live settings were ("": live)
 
 
 VIEW_FIELDS = tuple(f.name for f in fields(View))
@@ -62,7 +64,7 @@ def empty_view(message: str = START_HINT, hint: str = "Type a prompt and press S
     return View(status=message, stats=stats_html(RunStats()), text=text_html([]), plain_text="", summary={},
                 step_slider=StepControl(), tree=blank, tree_compare=blank, heads=heads_html(None), mask=blank,
                 phases=blank, accepted=blank, cumulative=blank, verify=verification_html(None, True),
-                tree_rival=None, notice="")
+                tree_rival=None, notice="", recording="")
 
 
 def build_view(facts: RunFacts | None, index: int | None = None, message: str = "") -> View:
@@ -84,7 +86,7 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
         phases=phase_figure(records, index), accepted=accepted_figure(records, index),
         cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
                                                                                    facts.token_bytes),
-        tree_rival=_rival(facts, record), notice=_notice(facts, index))
+        tree_rival=_rival(facts, record), notice=_notice(facts, index), recording=recording_settings(facts))
 
 
 def _tree(facts: RunFacts, record: StepRecord, note: str) -> Any:
@@ -181,39 +183,53 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
     elif not FAMILIES[family].drafts:
         why = "Autoregressive decoding builds no tree, so there is nothing to compare."
     elif not facts.settings.get("compare_fixed"):
-        why = "The comparison is off: tick “Compare with the fixed tree” and press Start."
+        why = ("This run was recorded without the fixed-tree comparison." if facts.recording else
+               "The comparison is off: tick “Compare with the fixed tree” and press Start.")
     else:
         why = f"No fixed-tree comparison at step {record.index + 1}."
     return empty_figure(why, height=120)
 
 
 def _notice(facts: RunFacts, index: int | None) -> str:
-    """What to notice beside the tree: this step's note, else the recorded run's (replay only); under
-    it, for a recording, the settings it was recorded with."""
+    """What to notice beside the tree: this step's note, else the recorded run's (replay only)."""
     text = ""
     if index is not None and facts.step_notes.get(index):
         text = f"**What to notice at step {index + 1}:** {facts.step_notes[index]}"
     elif facts.notice:
         noted = ", ".join(str(i + 1) for i in sorted(facts.step_notes)[:12])
         text = f"**What to notice:** {facts.notice}" + (f" Steps with a note: {noted}." if noted else "")
-    if facts.recording:
-        text = "\n\n".join(part for part in (text, recorded_settings(facts)) if part)
     return text
 
 
-def recorded_settings(facts: RunFacts) -> str:
-    """A recording's own settings in one line: what the steps on screen were decoded with (the
-    settings panel beside it sets up live runs)."""
+def recording_settings(facts: RunFacts) -> str:
+    """A recording's own prompt and settings, read-only (Markdown; "" for a live run): what the steps on
+    screen were decoded with, shown where the live settings are while the recording is on screen."""
+    if not facts.recording:
+        return ""
     settings = facts.settings
-    parts = [facts.strategy_label, f"precision {settings.get('precision', '?')}"]
-    if FAMILIES[facts.spec.family].drafts:
-        parts.append(f"top-{settings.get('top_m', '?')}, depth {settings.get('depth', '?')}")
-    rule, temperature = settings.get("rule", "greedy"), float(settings.get("temperature", 0.0) or 0.0)
-    parts.append(f"{rule} acceptance" + (f" at temperature {temperature:g}" if temperature else ""))
-    parts.append(f"up to {settings.get('max_new_tokens', '?')} new tokens")
-    model = f"; {facts.model}" if facts.model else ""
-    return (f"**Recorded with:** {', '.join(parts)}{model}. The settings panel sets up live runs; "
-            "it does not change this recording.")
+    rows = [("Strategy", facts.strategy_label), ("Precision", settings.get("precision", "?"))]
+    family = FAMILIES[facts.spec.family]
+    if family.drafts:
+        rows += [("Top-m per head", settings.get("top_m", "?")), ("Depth (heads used)", settings.get("depth", "?"))]
+    if family.decodes_fixed_tree or family.fixed_beside:
+        compared = family.decodes_fixed_tree or settings.get("compare_fixed")
+        rows.append(("Fixed tree", settings.get("fixed_preset", "?") if compared else "not compared"))
+    temperature = float(settings.get("temperature", 0.0) or 0.0)
+    rows += [("Acceptance", f"{settings.get('rule', 'greedy')}" + (f" at temperature {temperature:g}" if temperature
+                                                                   else " (temperature 0)")),
+             ("Max new tokens", settings.get("max_new_tokens", "?"))]
+    if facts.model:
+        rows.append(("Model", facts.model))
+    prompt = facts.prompt if len(facts.prompt) <= 240 else facts.prompt[:239] + "…"
+    table = "\n".join(f"| {name} | {escape_cell(value)} |" for name, value in rows)
+    return (f"**This recording's settings** (read-only: they made the steps on screen)\n\n"
+            f"Prompt: *{escape_cell(prompt)}*\n\n| setting | value |\n|---|---|\n{table}")
+
+
+def escape_cell(value: Any) -> str:
+    """A value as Markdown table text: no pipes, no line breaks, no markup."""
+    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    return re.sub(r"([*_`<>\[\]#])", r"\\\1", text)
 
 
 def _stats(facts: RunFacts) -> str:
@@ -257,4 +273,4 @@ def _prefill_view(facts: RunFacts, message: str) -> View:
                 summary=summary(facts, None), step_slider=StepControl(), tree=blank, tree_compare=blank,
                 heads=base.heads, mask=base.mask, phases=base.phases, accepted=base.accepted,
                 cumulative=base.cumulative, verify=base.verify, tree_rival=base.tree_rival,
-                notice=_notice(facts, None))
+                notice=_notice(facts, None), recording=recording_settings(facts))
