@@ -30,6 +30,27 @@
     }
   };
   new MutationObserver(purgeRemoved).observe(document.body, { childList: true, subtree: true });
+  // a typed value outside a slider's range: Gradio clamps it on blur without a word, so the page says so
+  // under the slider (read in the capture phase, before the clamp), and drops the note once in range
+  const sliderBox = (el) => el instanceof HTMLInputElement && el.type === 'number' &&
+    el.closest('.block') && el.closest('.block').querySelector('input[type=range]') ? el : null;
+  const sayClamped = (box) => {
+    const block = box.closest('.block');
+    const value = parseFloat(box.value), low = parseFloat(box.min), high = parseFloat(box.max);
+    let note = block.querySelector('.clamp-note');
+    if (Number.isNaN(value) || (value >= low && value <= high)) { if (note) { note.remove(); } return; }
+    const used = value > high ? high : low;
+    if (!note) { note = document.createElement('div'); note.className = 'clamp-note'; block.appendChild(note); }
+    note.textContent = `${box.value} is ${value > high ? 'above the largest' : 'below the smallest'} value ` +
+      `this setting takes: ${used} is used.`;
+  };
+  document.addEventListener('blur', (event) => { const box = sliderBox(event.target); if (box) { sayClamped(box); } }, true);
+  document.addEventListener('input', (event) => {
+    const block = event.target instanceof Element && event.target.closest('.block');
+    const note = block && block.querySelector('.clamp-note');
+    const box = note && block.querySelector('input[type=number]');
+    if (box && parseFloat(box.value) >= parseFloat(box.min) && parseFloat(box.value) <= parseFloat(box.max)) { note.remove(); }
+  }, true);
   // larger type for a projector
   document.addEventListener('change', (event) => {
     if (event.target instanceof HTMLInputElement && event.target.closest('#presenter-toggle')) {

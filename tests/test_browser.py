@@ -374,3 +374,17 @@ def test_a_recording_on_screen_takes_the_place_of_the_live_controls(page, shots)
     assert not page.evaluate(SHOWN_JS, "#back-to-live-btn") and page.evaluate(SHOWN_JS, "#model-info")
     assert page.get_by_label("Prompt", exact=True).input_value() == "Name three rivers in Europe."
     assert page.locator("#max-new input[type=number]").input_value() == "17"
+
+
+def test_a_typed_value_a_slider_clamps_says_so(page):
+    """Issue 48: Gradio clamps a typed slider value silently on blur; the page says what it used, and
+    the note goes once the value is in range again."""
+    note = "() => document.querySelector('#budget .clamp-note')?.textContent || ''"
+    _set_number(page, "budget", 1024)
+    page.wait_for_function(f"() => ({note})().includes('1024')", timeout=10_000)
+    assert "above the largest" in page.evaluate(note) and "256 is used" in page.evaluate(note)
+    assert page.locator("#budget input[type=number]").input_value() == "256"
+    _set_number(page, "top-m", 0)
+    assert "1 is used" in page.evaluate("() => document.querySelector('#top-m .clamp-note').textContent")
+    _set_number(page, "budget", 100)
+    page.wait_for_function(f"() => ({note})() === ''", timeout=10_000)
