@@ -178,6 +178,27 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
         yield _answer(request, error, _user_view(request))
 
 
+@functools.cache
+def _whole_run_recorder() -> Callable[..., str]:
+    """`labstate.record_run` inside one ZeroGPU call there (wrapped once), itself elsewhere."""
+    return labstate.gpu_call(labstate.record_run)
+
+
+@settings_event(D)
+def on_record(values: dict[str, Any], request: gr.Request | None) -> tuple:
+    """Start where a GPU lives for one call only (ZeroGPU): decode the whole run in that call, then show
+    it as a recording that Step, Back and Run to end go through (the replay machinery)."""
+    def record() -> tuple:
+        prompt, settings, note = _settings(values)
+        text = _whole_run_recorder()(prompt, settings, {"title": "your run, decoded whole in one GPU call"})
+        message = "Decoded the whole run in one GPU call: press Step to go through it, or Run to end."
+        return _replay_view(replay.moved(replay.open_upload(text), 1), " ".join(m for m in (note, message) if m))
+    try:
+        return record()
+    except Exception as error:  # noqa: BLE001  (never a traceback in the page)
+        return (None, *_answer(request, error, _user_view(request)))
+
+
 def on_view(step_index: float, shown: replay.Replay | None = None, request: gr.Request = None) -> tuple:
     """Show a past step (steps count from 1) of what the page shows: the replay `shown` (a recording picked
     or uploaded since the last live event), else the user's live run."""
@@ -362,8 +383,6 @@ def _wire_live(controls: dict, view: list, shown_replay: gr.State) -> None:
         event.then(_clear_trace, None, [controls["trace_file"]], api_visibility="private", queue=False)
     controls["check"].click(on_check, None, view, api_name="check", **decode)
     controls["trace"].click(on_trace, None, [controls["trace_file"]], api_name="trace")
-    controls["example"].input(controls["examples"].get, [controls["example"]], [controls["prompt"]],
-                              api_visibility="private", queue=False)
 
 
 def _wire_replay(replay_box: dict, view: list) -> None:
@@ -376,14 +395,18 @@ def _wire_replay(replay_box: dict, view: list) -> None:
         replay_box[name].click(handler, [state], outputs, **private)
 
 
-def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "") -> gr.Blocks:
-    """The whole UI. Nothing is loaded or launched here; `replay_only` leaves live decoding out entirely."""
+def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "", record_on_start: bool | None = None) -> gr.Blocks:
+    """The whole UI. Nothing is loaded or launched here; `replay_only` leaves live decoding out entirely;
+    `record_on_start` (default: on a ZeroGPU Space, `labstate.records_on_start`) makes Start decode a whole
+    run and replay it, with no live stepping."""
+    record_on_start = not replay_only and (labstate.records_on_start() if record_on_start is None else record_on_start)
     with gr.Blocks(title="Medusa Tree Lab", delete_cache=(3600, 3600)) as demo:
         model_info = header(replay_only, why)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=330, elem_classes=["controls"]):
                 replay_box = replay_controls(replay.gallery(), open_=replay_only, live=not replay_only)
-                controls = None if replay_only else live_controls(DEFAULT_PROMPT, _settings_panel)
+                controls = None if replay_only else live_controls(DEFAULT_PROMPT, _settings_panel,
+                                                                  whole_runs=record_on_start)
             with gr.Column(scale=3, min_width=600):
                 panel = view_panel(RESULTS, ASSETS / "how_it_works.md")
         panel["recording"] = replay_box["recording"]  # drawn where the live settings are
@@ -395,8 +418,14 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "") -> gr.Blocks:
             if replay.gallery():
                 first = replay.gallery()[0].name
                 demo.load(lambda: on_pick(first), None, [replay_box["state"], *view], api_visibility="private")
+        elif record_on_start:  # ZeroGPU: Start decodes a whole run in one GPU call; the replay's buttons step it
+            controls["start"].click(on_record, [controls["prompt"], *controls["settings"]], [replay_box["state"], *view],
+                                    api_name="start", concurrency_id="decode", preprocess=False)
         else:
             _wire_live(controls, view, replay_box["state"])
+        if not replay_only:
+            controls["example"].input(controls["examples"].get, [controls["example"]], [controls["prompt"]],
+                                      api_visibility="private", queue=False)
             replay_box["live"].click(on_live, None, [replay_box["state"], *view], api_visibility="private",
                                      show_progress="hidden", queue=False)
             panel["step_slider"].release(on_view, [panel["step_slider"], replay_box["state"]],

@@ -69,24 +69,30 @@ def replay_controls(gallery: tuple, open_: bool, live: bool) -> dict:
             box["end"] = gr.Button("Run to end ▶▶", size="sm", elem_id="replay-end-btn")
         box["recording"] = gr.Markdown("", visible=False, elem_id="recording-settings")
         if live:
-            box["live"] = gr.Button("◀ Back to your live run (prompt and settings)", size="sm",
+            box["live"] = gr.Button("◀ Back to the prompt and settings (your live run)", size="sm",
                                     elem_id="back-to-live-btn")
         gr.Checkbox(False, label="Large type (presenter: ← → keys step the replay)", elem_id="presenter-toggle",
                     interactive=True)
     return box
 
 
-def live_controls(default_prompt: str, settings_panel: Callable[[], list]) -> dict:
-    """The prompt, the decoding buttons, the settings and the export box."""
+def live_controls(default_prompt: str, settings_panel: Callable[[], list], whole_runs: bool = False) -> dict:
+    """The prompt, the decoding buttons, the settings and the export box; with `whole_runs` (a ZeroGPU
+    Space) the prompt, one Start that decodes a whole run, and the settings."""
     examples = mt_bench_examples()
     with gr.Column(elem_id="live-controls"):  # hidden while a recording is on screen (assets/app.css)
-        return _live_controls(examples, default_prompt, settings_panel)
+        controls = {"examples": examples,
+                    "example": gr.Dropdown(list(examples), value=None, label="MT-Bench examples", filterable=True),
+                    "prompt": gr.Textbox(default_prompt, label="Prompt", lines=4, max_lines=10, elem_id="prompt")}
+        if whole_runs:
+            controls["start"] = gr.Button("Start: decode the whole run on the GPU, then step through it",
+                                          variant="primary", elem_id="start-btn")
+            controls["settings"] = settings_panel()
+            return controls
+        return _live_controls(controls, settings_panel)
 
 
-def _live_controls(examples: dict[str, str], default_prompt: str, settings_panel: Callable[[], list]) -> dict:
-    controls = {"examples": examples,
-                "example": gr.Dropdown(list(examples), value=None, label="MT-Bench examples", filterable=True),
-                "prompt": gr.Textbox(default_prompt, label="Prompt", lines=4, max_lines=10, elem_id="prompt")}
+def _live_controls(controls: dict, settings_panel: Callable[[], list]) -> dict:
     with gr.Row():
         controls["start"] = gr.Button("Start / Restart", variant="secondary", elem_id="start-btn")
         controls["step"] = gr.Button("Step ▶", variant="primary", elem_id="step-btn")

@@ -31,10 +31,11 @@ _HOMES = {
     "modes": ("PAUSED", "READY", "RUNNING", "STOPPED"),
     "runs": ("Prepared", "Run", "decode_config", "fixed_choice", "page_views", "prepare"),
     "sessions": ("LabState", "SessionRegistry"),
+    "zerogpu": ("gpu_call", "on_zero_gpu", "records_on_start"),
     "plain": ("GreedyCheck", "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check",
               "reference", "speed_vs_plain"),
     "lifecycle": ("DROPPED_STEP", "check_now", "decoding_state", "ensure_run", "export_trace", "facts_of",
-                  "note_page_time", "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
+                  "note_page_time", "record_lab", "record_run", "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
                   "step_once", "step_run", "stop", "wait_idle"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -247,6 +247,22 @@ def run_trace(lab: LabState | None, extra: dict | None = None) -> str:
     return trace_json(facts, meta)
 
 
+def record_lab(prompt: str, settings: Settings) -> LabState:
+    """Decode `prompt` to its end in a private lab (no session, no page), checked against plain greedy."""
+    lab = LabState()
+    start_run(lab, prompt, settings)
+    while not lab.run.session.finished:
+        step_once(lab, prompt, settings)
+    compute_check(lab, lab.run)
+    return lab
+
+
+def record_run(prompt: str, settings: Settings, extra: dict | None = None) -> str:
+    """A whole run as trace text: what a ZeroGPU Space's Start decodes inside one GPU call before the page
+    replays it (labstate.zerogpu), and what the gallery's recorder writes."""
+    return run_trace(record_lab(prompt, settings), extra)
+
+
 def export_trace(lab: LabState | None, folder: Path, keep_seconds: float) -> Path:
     """Write the user's run as a JSON trace under `folder` (older traces there are dropped first)."""
     text = run_trace(lab)

