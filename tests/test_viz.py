@@ -181,6 +181,14 @@ def test_mask_figure_matches_tree_buffers():
     assert all("<b>" not in label for label in fig.layout.xaxis.ticktext)
 
 
+def test_a_plain_step_mask_says_what_one_token_attends():
+    """Issue 48: a plain step's mask was a lone green square; it says what the one query attends instead."""
+    plain = TreeOutcome(tree=fixed_tree([]), node_tokens=[100], node_scores=[1.0], accepted_nodes=[0],
+                        bonus_token=5, node_texts=["a"], bonus_text="b")
+    fig = mask_figure(plain, context_length=12)
+    assert not fig.data and "attends to the 12 context tokens and itself" in fig.layout.annotations[0].text.replace("<br>", " ")
+
+
 def test_mask_values_marks_accepted_path():
     assert mask_values([[True, False], [True, True]], [0, 1]) == [[2, 0], [2, 2]]
     assert mask_values([[True, False], [True, True]], [0]) == [[2, 0], [1, 1]]

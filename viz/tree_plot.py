@@ -262,23 +262,23 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     order = accepted + sorted((i for i in range(len(scores)) if i not in accepted_set), key=lambda i: -scores[i])
     labels = _labels(frame, layout, texts, sizes, order, reserved)
 
-    fig = style.new_figure()
+    traces: list[dict] = []  # plain data: plotly's builders cost 30+ ms a tree
     plain_edges = [(parents[i], i) for i in range(1, len(parents)) if i not in accepted_set and i not in unverified]
     path_edges = list(zip(accepted[:-1], accepted[1:]))
     xs, ys = _edge_xy(layout, plain_edges)
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.EDGE, "width": 1.2},
+    traces.append(_scatter(x=xs, y=ys, mode="lines", line={"color": style.EDGE, "width": 1.2},
                              hoverinfo="skip", name="candidate edge", showlegend=False))
     if unverified:
         xs, ys = _edge_xy(layout, [(parents[i], i) for i in sorted(unverified)])
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.UNVERIFIED, "width": 1, "dash": "dot"},
+        traces.append(_scatter(x=xs, y=ys, mode="lines", line={"color": style.UNVERIFIED, "width": 1, "dash": "dot"},
                                  hoverinfo="skip", name="proposed, not verified (the budget's cut)", showlegend=True))
     xs, ys = _edge_xy(layout, path_edges) if path_edges else ([None], [None])  # keeps the legend entry
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": style.ACCEPTED, "width": 5},
+    traces.append(_scatter(x=xs, y=ys, mode="lines", line={"color": style.ACCEPTED, "width": 5},
                              hoverinfo="skip", name="accepted path", showlegend=True))
-    fig.add_trace(go.Scatter(x=[layout.x[accepted[-1]], bonus_x], y=[layout.y[accepted[-1]], bonus_y],
+    traces.append(_scatter(x=[layout.x[accepted[-1]], bonus_x], y=[layout.y[accepted[-1]], bonus_y],
                              mode="lines", line={"color": style.BONUS, "width": 3, "dash": "dot"},
                              hoverinfo="skip", showlegend=False, name="bonus edge"))
-    fig.add_trace(go.Scatter(
+    traces.append(_scatter(
         x=layout.x, y=layout.y, mode="markers+text", name="candidate (colour = joint p)",
         text=labels, textposition=["middle left"] + ["middle right"] * (len(texts) - 1),
         textfont={"size": FONT_PX, "color": [style.UNVERIFIED if i in unverified else style.TEXT
@@ -307,9 +307,9 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     if copied:  # a legend entry for the chains' marker, naming the drafters that made them
         names = {"lookup": "prompt lookup", "store": "datastore"}
         sources = sorted({names.get(outcome.node_source(i), outcome.node_source(i)) for i in copied})
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"◆ copied by {' / '.join(sources)}",
+        traces.append(_scatter(x=[None], y=[None], mode="markers", name=f"◆ copied by {' / '.join(sources)}",
                                  marker={"symbol": "diamond", "size": 12, "color": style.TEXT}))
-    fig.add_trace(go.Scatter(
+    traces.append(_scatter(
         x=[bonus_x], y=[bonus_y], mode="markers+text", name="bonus token (base model)",
         text=[plotly_escape(bonus_label)], textposition="middle right", cliponaxis=False,
         textfont={"size": FONT_PX + 1, "color": style.BONUS},
@@ -321,8 +321,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     # a lookup chain may run deeper than the heads: its columns are numbered by depth, compactly
     column = "" if copied else "head "
     tick_text = ["root"] + [f"{column}{d}" for d in range(1, tree.max_depth + 1)] + ["bonus"]
-    fig.update_layout(**style.base_layout(title_text, height))
-    fig.update_layout(
+    layout = {**style.base_layout(title_text, height), **dict(
         showlegend=True,
         legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": -LEGEND_GAP_PX / plot_height,
                 "yanchor": "top", "font": {"size": 12}},
@@ -330,8 +329,12 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
                "showgrid": True, "gridcolor": style.GRID, "zeroline": False, "side": "bottom", "fixedrange": False},
         yaxis={"visible": False, "range": list(frame.y_range)},  # max first: row 0 at the top
         margin={"l": MARGIN_SIDE, "r": MARGIN_SIDE, "t": margin_top, "b": MARGIN_BOTTOM},
-    )
-    return fig
+    )}
+    return style.figure_of(traces, layout)
+
+
+def _scatter(**properties: object) -> dict:
+    return {"type": "scatter", **properties}
 
 
 def label_boxes(fig: go.Figure) -> list[Box]:
@@ -352,11 +355,7 @@ def label_boxes(fig: go.Figure) -> list[Box]:
 def empty_figure(message: str, height: int = 300) -> go.Figure:
     """A blank figure with a centred message (before the first step, or when not applicable)."""
     message = "<br>".join(textwrap.wrap(message, width=60))
-    fig = style.new_figure()
-    fig.update_layout(**style.base_layout("", height))
-    fig.update_layout(
-        xaxis={"visible": False}, yaxis={"visible": False},
-        annotations=[{"text": message, "x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper",
-                      "showarrow": False, "font": {"size": 15, "color": "#64748b"}}],
-    )
-    return fig
+    layout = {**style.base_layout("", height), "xaxis": {"visible": False}, "yaxis": {"visible": False},
+              "annotations": [{"text": message, "x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper",
+                               "showarrow": False, "font": {"size": 15, "color": "#64748b"}}]}
+    return style.figure_of([], layout)
