@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         prewarm()  # after the server is up: beside its start it cost ~1 s more of the launch-to-tree time
     else:  # the verify-cost profile, measured off the request path (a Start that comes first waits for the rest)
         threading.Thread(target=labstate.warm_up, args=(labstate.machine_precision(), True, log.info),
-                         name="warm-up", daemon=True).start()
+                         kwargs={"wait": True}, name="warm-up", daemon=True).start()
     demo.block_thread()
 
 

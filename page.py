@@ -20,6 +20,8 @@ from viz.bench_plot import (bench_figure, bench_heading, category_table, markdow
 from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+RIVALS = [("none", ""), ("the usual rival (Medusa ↔ Hydra, EAGLE → Hydra)", "auto"),
+          ("Medusa heads (dynamic tree)", "dynamic"), ("Hydra heads", "hydra"), ("EAGLE draft layer", "eagle")]
 CUSTOM_TREE_EXAMPLE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
 INTRO = ('<div class="lab-header"><h1>Medusa Tree Lab</h1><p>Speculative decoding one step at a time: heads '
          'propose a <b>dynamic candidate tree</b>, one forward pass verifies it, the base model accepts a path.'
@@ -145,9 +147,9 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
             "compare_fixed": gr.Checkbox(value=values["compare_fixed"], label="Compare with the fixed tree "
                                          "(dynamic only; costs a second verify, not counted in tokens/s)",
                                          elem_id="compare"),
-            "compare_heads": gr.Checkbox(value=values["compare_heads"], label="Also draw the other heads' tree "
-                                         "on the same context (Medusa ↔ Hydra, EAGLE → Hydra; a third verify, not counted)",
-                                         elem_id="compare-heads"),
+            "compare_heads": gr.Dropdown(RIVALS, value=values["compare_heads"], elem_id="compare-heads",
+                                         label="Also draw another drafter's tree on the same context (a third "
+                                               "verify, not counted; for the dynamic, Hydra and EAGLE trees)"),
             "rule": gr.Radio(list(ACCEPT_RULES), value=values["rule"], label="Acceptance rule", elem_id="rule"),
             "temperature": gr.Slider(0.0, labstate.MAX_TEMPERATURE, value=values["temperature"], step=0.05,
                                      label="Temperature (0 = greedy)", elem_id="temperature"),

@@ -36,11 +36,11 @@ def acquire(lab: LabState) -> None:
 def start_prepared(lab: LabState, prepared: Prepared) -> Run:
     """Prefill a prepared prompt and make it the current run (the previous run is dropped).
 
-    Tree strategies also load the verify-cost profile (measured once per precision, then cached on
-    disk): auto budget sizes trees with it, and the page explains speed against plain decoding with it.
+    Tree strategies also take the verify-cost profile (measured once per precision, then cached on
+    disk; a provisional one while it is measured in the background): auto budget sizes trees with it.
     """
     rt, config = prepared.runtime, prepared.config
-    profile = cost_profile(rt) if config.spec.drafts else None
+    profile = cost_profile(rt, wait=False) if config.spec.drafts else None  # provisional until measured
     lab.interrupt()  # a Run loop on the previous run stops
     acquire(lab)
     try:

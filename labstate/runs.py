@@ -117,5 +117,6 @@ def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str
 def page_views(settings: Settings, rt: Runtime) -> PageViews:
     """What the session records beside its steps for the page: the fixed tree (the comparison box),
     the rival family's tree (the compare-heads box, for families sized by a budget), every text."""
-    rival = rt.rival_for(settings.strategy) if settings.compare_heads and settings.spec.grown else None
+    wanted = settings.compare_heads and settings.spec.grown
+    rival = rt.rival_for(settings.strategy, settings.compare_heads) if wanted else None
     return PageViews(fixed=settings.compare_fixed and family(settings.strategy).fixed_beside, rival=rival)

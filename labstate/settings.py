@@ -79,7 +79,7 @@ class Settings:
     max_new_tokens: int = DEFAULT_NEW_TOKENS
     compare_fixed: bool = True
     custom_tree: tuple[tuple[int, ...], ...] = ()  # rank paths, used when fixed_preset == "custom"
-    compare_heads: bool = False  # also the other heads' tree (Medusa <-> Hydra) on the same context
+    compare_heads: str = ""  # another family's tree on the same context: "" none, "auto" the table's rival, or a family
 
     @property
     def greedy(self) -> bool:
@@ -166,6 +166,19 @@ def _as_bool(name: str, value: object) -> bool:
     raise LabInputError(f"{name} must be true or false, got {show(value)}")
 
 
+RIVAL_CHOICES = ("", "auto", DYNAMIC, HYDRA, EAGLE)  # the families that draw a tree beside another's
+
+
+def _as_rival(value: object) -> str:
+    """The family drawn beside the run's: a family of RIVAL_CHOICES; true = "auto" (the family table's
+    rival: Medusa <-> Hydra, EAGLE -> Hydra) and false = "" (none), as the old check box sent."""
+    if isinstance(value, bool) or value in (0, 1, None):
+        return "auto" if value else ""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return "auto" if value.strip().lower() == "true" else ""
+    return _choice("the drafter drawn beside", value, RIVAL_CHOICES)
+
+
 def _choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise LabInputError(f"{name} must be one of {', '.join(choices)}, got {show(value)}")
@@ -204,7 +217,7 @@ CHECKS: dict[str, Callable[[object], object]] = {
     "max_new_tokens": lambda v: _as_int("max new tokens", v, 1, MAX_NEW_TOKENS),
     "compare_fixed": lambda v: _as_bool("compare with the fixed tree", v),
     "custom_tree": lambda v: v,  # read by parse_custom_tree, and only when the preset is "custom"
-    "compare_heads": lambda v: _as_bool("compare with the other heads", v),
+    "compare_heads": _as_rival,
 }
 SETTING_NAMES: tuple[str, ...] = tuple(CHECKS)
 

@@ -5,6 +5,7 @@ Loaded once per process and never modified: everything a user changes lives in a
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,8 +19,8 @@ from core.families import FAMILIES, HYDRA, MEDUSA, family
 from core.kvcache import truncate
 from core.machine import median_ms
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
-from core.budget.cost_profile import CostProfile, profile_cached, verify_profile
-from core.tensor_thread import tensor_work
+from core.budget.cost_profile import CostProfile, profile_cached, provisional_profile, verify_profile
+from core.tensor_thread import run_on_tensor_thread, tensor_work
 from core.verify import forward_tokens
 from labstate.settings import PRECISIONS, machine_precision
 
@@ -74,11 +75,14 @@ class Runtime:
                              f"({entry.weights_folder} is missing)")
         return weights
 
-    def rival_for(self, strategy: str) -> nn.Module | None:
-        """The weights of the family drawn beside `strategy`'s (Hydra beside Medusa, ...); None when
-        it has none or they are not shipped."""
-        rival = family(strategy).rival
-        return self.weights.get(family(rival).weights_key) if rival else None
+    def rival_for(self, strategy: str, choice: str = "auto") -> nn.Module | None:
+        """The weights of the family drawn beside `strategy`'s: `choice` names it ("auto": the family
+        table's rival, Hydra beside Medusa, ...); None when there is none, they are not shipped, or they
+        are the run's own weights."""
+        rival = family(strategy).rival if choice == "auto" else choice
+        if not rival or family(rival).weights_key == family(strategy).weights_key:
+            return None
+        return self.weights.get(family(rival).weights_key)
 
     @functools.cached_property
     def token_bytes(self) -> dict[int, bytes]:
@@ -117,33 +121,69 @@ def _load_runtime(precision: str) -> Runtime:
     return _RUNTIMES[precision]
 
 
-def warm_up(precision: str, tree: bool, notify: Callable[[str], None]) -> None:
+def warm_up(precision: str, tree: bool, notify: Callable[[str], None], wait: bool = False) -> None:
     """Load what a first Start needs, saying what it does first: the model in `precision` (once per
-    precision) and, for tree strategies, the verify-cost profile (measured once, then cached on disk)."""
+    precision) and, for tree strategies, the verify-cost profile (measured once, then cached on disk).
+    A Start never waits for the profile (`wait` False): it is measured on its own thread, a piece at a
+    time on the tensor thread, while runs start on a provisional one (`cost_profile`)."""
     if precision not in _RUNTIMES:
         notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
     rt = runtime(precision)
-    if tree and rt.base.config.dtype not in _PROFILES:
-        if not profile_cached(rt.base):  # read from disk it takes no time worth a word
-            notify("Measuring what a tree verify costs on this machine (once per precision, then cached: 5-10 s)…")
-        cost_profile(rt)
+    if not tree or rt.base.config.dtype in _PROFILES:
+        return
+    if wait:
+        _measure_profile(rt)
+        return
+    if not profile_cached(rt.base) and _start_measuring(rt):
+        notify("Measuring what a tree verify costs on this machine, in the background (once per precision, then "
+               "cached); until then the auto budget starts from an estimate and corrects it by the steps' own times.")
 
 
 _PROFILES: dict[str, CostProfile] = {}  # precision -> verify-cost profile (tests may seed it)
+_MEASURING: dict[str, threading.Thread] = {}  # precision -> the thread measuring its profile
 
 
-def cost_profile(rt: Runtime) -> CostProfile:
-    """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk."""
+def cost_profile(rt: Runtime, wait: bool = True) -> CostProfile:
+    """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk. With
+    `wait` False, a profile not yet measured is measured in the background and a provisional one (from
+    one plain step) is returned at once."""
     profile = _PROFILES.get(rt.base.config.dtype)
-    return profile if profile is not None else _measure_profile(rt)
+    if profile is not None:
+        return profile
+    if wait or profile_cached(rt.base):
+        return _measure_profile(rt)
+    _start_measuring(rt)
+    return provisional_profile(1000 * _plain_step_seconds(rt), str(rt.base.device), rt.base.source)
 
 
-@tensor_work  # one job at a time there: two users starting at once measure it once
-def _measure_profile(rt: Runtime) -> CostProfile:
+def _start_measuring(rt: Runtime) -> bool:
+    """Start measuring `rt`'s profile on its own thread unless one is at it; True when this call started it."""
     key = rt.base.config.dtype
-    if key not in _PROFILES:
-        _PROFILES[key] = verify_profile(rt.base)
+    with _MEASURING_LOCK:
+        if key in _PROFILES or (key in _MEASURING and _MEASURING[key].is_alive()):
+            return False
+        _MEASURING[key] = threading.Thread(target=_measure_profile, args=(rt,), name=f"profile-{key}", daemon=True)
+        _MEASURING[key].start()
+        return True
+
+
+_MEASURING_LOCK = threading.Lock()
+_PROFILE_LOCK = threading.Lock()
+
+
+def _measure_profile(rt: Runtime) -> CostProfile:
+    """Measure (or read) the profile; each piece runs on the tensor thread, so user work interleaves."""
+    key = rt.base.config.dtype
+    with _PROFILE_LOCK:  # the warm-up thread and a Start's measuring thread measure once between them
+        if key not in _PROFILES:
+            _PROFILES[key] = verify_profile(rt.base, run=run_on_tensor_thread)
     return _PROFILES[key]
+
+
+def _plain_step_seconds(rt: Runtime) -> float:
+    """One plain step's time over a short context (a provisional profile's scale)."""
+    vocab = rt.base.model.config.vocab_size
+    return measure_forward_seconds(rt.base, [token % vocab for token in range(1000, 1064)])
 
 
 @tensor_work

@@ -58,6 +58,13 @@ def _hydra_beats_medusa(records: list[StepRecord]) -> dict[int, str]:
             for r in records if r.rival is not None and r.rival.accepted_length > r.outcome.accepted_length}
 
 
+def _eagle_beats_medusa(records: list[StepRecord]) -> dict[int, str]:
+    return {r.index: f"EAGLE's tree (top) accepted {_accepted(r)} token(s) here, the Medusa heads' tree of the same "
+                     f"size (below) would accept {r.rival.accepted_length - 1}: each EAGLE guess reads the guess "
+                     f"before it and the base model's features, so its second and third tokens follow the first"
+            for r in records if r.rival is not None and r.outcome.accepted_length > r.rival.accepted_length}
+
+
 def _long_copies(records: list[StepRecord]) -> dict[int, str]:
     return {r.index: f"the prompt-lookup chain (◆) copied {sum(1 for n in r.outcome.accepted_nodes[1:] if r.outcome.node_source(n) == 'lookup')} "
                      f"tokens from the prompt in one step" for r in records
@@ -94,7 +101,7 @@ def _accepting(records: list[StepRecord]) -> dict[int, str]:
 
 PROMPT_SKY = "Explain in three sentences why the sky is blue."
 BASE = dict(budget=63, top_m=32, depth=4, fixed_preset="mc_sim_7b_63", rule="greedy", temperature=0.0,
-            precision="fp32", max_new_tokens=64, compare_fixed=True, custom_tree="", compare_heads=False)
+            precision="fp32", max_new_tokens=64, compare_fixed=True, custom_tree="", compare_heads="")
 RECORDINGS = [
     Recording("dynamic_vs_fixed", "Dynamic tree vs Medusa's fixed tree",
               "Every step verifies the dynamic tree (top) and, for comparison, Medusa's fixed 63-node tree on the "
@@ -110,7 +117,15 @@ RECORDINGS = [
               "At every step the Medusa heads' dynamic tree (top) is verified, and the Hydra heads grow their own "
               "tree of the same size from the same context (bottom). Hydra's guesses read the path drafted before "
               "them, so the second token can follow the first: watch where that makes Hydra accept more.",
-              PROMPT_SKY, dict(BASE, strategy="dynamic", compare_fixed=False, compare_heads=True), _hydra_beats_medusa),
+              PROMPT_SKY, dict(BASE, strategy="dynamic", compare_fixed=False, compare_heads="hydra"),
+              _hydra_beats_medusa),
+    Recording("eagle_beside_medusa", "EAGLE's tree beside Medusa's, same context",
+              "Every step verifies the tree EAGLE's draft layer grows (top); the Medusa heads' dynamic tree of the "
+              "same size is drawn from the same context (below). Medusa's heads each guess one position from the "
+              "same hidden state; EAGLE's one layer drafts token by token from the base model's low, middle and "
+              "last-layer features and its own previous guess, so deeper guesses follow the path above them.",
+              PROMPT_SKY, dict(BASE, strategy="eagle", compare_fixed=False, compare_heads="dynamic"),
+              _eagle_beats_medusa),
     Recording("prompt_lookup_copy", "Prompt lookup copies a long span",
               "When the answer repeats the prompt, the prompt-lookup chain (◆) proposes the text that followed "
               "the last words where they appeared before, and a whole span is accepted in one verify.",

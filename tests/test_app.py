@@ -406,8 +406,8 @@ def test_the_server_measures_what_a_first_start_needs_after_it_is_up(monkeypatch
     events: list = []
     measured = threading.Event()
 
-    def warm_up(precision: str, tree: bool, notify) -> None:
-        events.append(("warm-up", precision, tree, threading.current_thread().name))
+    def warm_up(precision: str, tree: bool, notify, wait: bool = False) -> None:
+        events.append(("warm-up", precision, tree, wait, threading.current_thread().name))
         measured.set()
 
     monkeypatch.setattr(app, "REPLAY_ONLY", False)
@@ -418,7 +418,7 @@ def test_the_server_measures_what_a_first_start_needs_after_it_is_up(monkeypatch
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **options: events.append("serving"))
     monkeypatch.setattr(gr.Blocks, "block_thread", lambda self: measured.wait(10))
     app.main(["--port", "7998"])
-    assert events == ["model loaded", "serving", ("warm-up", "fp32", True, "warm-up")]
+    assert events == ["model loaded", "serving", ("warm-up", "fp32", True, True, "warm-up")]
 
 
 def test_a_zero_gpu_start_decodes_the_whole_run_and_the_page_replays_it(plain_greedy):

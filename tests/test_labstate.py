@@ -107,13 +107,54 @@ def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypat
     rt = medusa_runtime(base)
     monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)  # the model is loaded: nothing to say about loading
     monkeypatch.setattr(shared, "_PROFILES", {})
+    monkeypatch.setattr(shared, "_MEASURING", {})
     monkeypatch.setattr(shared, "profile_cached", lambda base: cached_on_disk)
-    monkeypatch.setattr(shared, "verify_profile", lambda base: CostProfile(sizes=[1, 16], ms=[10.0, 12.0],
-                                                                           device="cpu", model="tiny"))
+    monkeypatch.setattr(shared, "verify_profile", lambda base, **how: CostProfile(sizes=[1, 16], ms=[10.0, 12.0],
+                                                                                  device="cpu", model="tiny"))
     messages: list[str] = []
     shared.warm_up("fp32", tree=True, notify=messages.append)
     assert [m[:len(p)] for m, p in zip(messages, said)] == said and len(messages) == len(said)
+    if not cached_on_disk:  # measured on its own thread: a Start never waits for it
+        shared._MEASURING[base.config.dtype].join(10)
+    shared.cost_profile(rt)
     assert base.config.dtype in shared._PROFILES
+
+
+def test_a_first_start_draws_a_tree_while_the_profile_is_still_being_measured(monkeypatch):
+    """Issue 46: the verify-cost profile never blocks a Start: while it is measured (held here until
+    the run has stepped), an auto-budget run starts on a provisional profile and steps a tree; the
+    measured profile lands afterwards and later runs use it."""
+    import threading
+
+    import labstate.shared as shared
+    base = tiny_base("llama", max_positions=2048)  # room for the lab's token and tree limits
+    rt = medusa_runtime(base)
+    monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)
+    monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
+    monkeypatch.setattr(shared, "_PROFILES", {})
+    monkeypatch.setattr(shared, "_MEASURING", {})
+    monkeypatch.setattr(shared, "profile_cached", lambda base: False)
+    release, measured = threading.Event(), CostProfile(sizes=[1, 16, 64], ms=[10.0, 12.0, 30.0], device="cpu",
+                                                       model="tiny")
+
+    def slow_measurement(base, **how) -> CostProfile:
+        assert release.wait(60), "the run never stepped while the profile was being measured"
+        return measured
+
+    monkeypatch.setattr(shared, "verify_profile", slow_measurement)
+    messages: list[str] = []
+    shared.warm_up("fp32", tree=True, notify=messages.append)
+    assert messages and "in the background" in messages[0]
+    lab = labstate.LabState()
+    settings = labstate.parse_settings({**SETTINGS, "strategy": "dynamic:auto", "budget": 12})
+    run = labstate.start_run(lab, PROMPT, settings)
+    assert "provisional" in run.session.controller.profile.model
+    drawn = [labstate.step_run(lab, run) for _ in range(3)]
+    assert shared._MEASURING["fp32"].is_alive() and "fp32" not in shared._PROFILES  # still measuring
+    assert any(record.proposal is not None or record.outcome.tree.num_nodes for record in drawn)
+    release.set()
+    shared._MEASURING["fp32"].join(10)
+    assert shared.cost_profile(rt, wait=False) is measured
 
 
 SETTINGS = {"strategy": "dynamic", "budget": 12, "top_m": 8, "precision": "fp32", "max_new_tokens": 20,
@@ -271,6 +312,28 @@ def test_what_the_page_records_beside_a_run_follows_its_boxes():
     assert not views.fixed and views.rival is None  # no fixed tree over grown guesses; the box was unticked
     assert labstate.page_views(labstate.parse_settings({"strategy": "fixed", "compare_heads": True,
                                                         "precision": "fp32"}), rt).rival is None
+
+
+def test_any_two_drafter_families_can_be_drawn_side_by_side():
+    """Issue 45: the two-drafters view takes any pair: the run's family and any other shipped one
+    ("auto" is the table's usual rival, true/false as the old check box); its own family beside itself
+    draws nothing; a made-up family is refused with the choices' check."""
+    from tests.tiny import tiny_eagle, tiny_hydra
+    base = tiny_base("llama")
+    medusa, hydra, eagle = tiny_heads(base), tiny_hydra(base), tiny_eagle(base)
+    rt = Runtime(base=base, weights={"medusa": medusa, "hydra": hydra, "eagle": eagle}, heads_description="tiny")
+
+    def rival(strategy: str, choice: object) -> object:
+        settings = labstate.parse_settings({"strategy": strategy, "compare_heads": choice, "precision": "fp32"})
+        return labstate.page_views(settings, rt).rival
+
+    assert rival("dynamic", "eagle") is eagle and rival("eagle", "dynamic") is medusa
+    assert rival("hydra", "eagle") is eagle and rival("eagle", "auto") is hydra and rival("dynamic", True) is hydra
+    assert rival("dynamic", "dynamic") is None and rival("dynamic", "") is None and rival("dynamic", False) is None
+    with pytest.raises(labstate.LabInputError, match="drawn beside"):
+        labstate.parse_settings({"compare_heads": "gumiho"})
+    from page import RIVALS
+    assert tuple(value for _, value in RIVALS) == labstate.RIVAL_CHOICES  # the page offers exactly these
 
 
 def test_time_a_step_waits_for_its_turn_is_never_decoding_time(tiny_runtime):

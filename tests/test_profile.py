@@ -61,7 +61,7 @@ def test_a_busy_measurement_is_used_but_never_cached(tmp_path, monkeypatch):
     """One-token costs before and after the profile disagree (something else ran): not kept."""
     times = iter([[10.0], [19.0]])
     monkeypatch.setattr(profile_module, "_measure_row", lambda *args, **kwargs: next(times))
-    monkeypatch.setattr(profile_module, "measure_profile", lambda base: CostProfile(sizes=[1, 2], ms=[12.0, 14.0]))
+    monkeypatch.setattr(profile_module, "measure_profile", lambda base, **how: CostProfile(sizes=[1, 2], ms=[12.0, 14.0]))
     profile = profile_module._load_or_measure(tiny_base("llama"), tmp_path)
     assert profile.ms == [12.0, 14.0] and not list(tmp_path.glob("*.json"))
     assert profile_module.measured_quietly(10.0, 11.0, 10.5) and not profile_module.measured_quietly(10.0, 19.0)

@@ -245,8 +245,8 @@ def _rival(facts: RunFacts, record: StepRecord) -> Any:
     rival = record.rival
     if rival is None:
         wanted = facts.settings.get("compare_heads") and facts.spec.grown
-        why = (f"No other heads' tree at step {record.index + 1} (no heads step, or the other heads are not "
-               f"shipped)." if wanted else "")
+        why = (f"No other drafter's tree at step {record.index + 1} (no heads step, the drafter chosen is this "
+               f"run's own, or its weights are not shipped)." if wanted else "")
         return empty_figure(why, height=80) if why else None  # None: the page shows no box
     entry = FAMILIES[rival.tree.kind]
     other = f"{entry.weights_name} ({entry.guesses})"

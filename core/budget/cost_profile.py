@@ -31,6 +31,7 @@ import json
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import transformers
@@ -111,23 +112,55 @@ def profile_key(base: BaseModel) -> ProfileKey:
                       code=_verify_code_hash())
 
 
+# A prior until the machine's own profile is measured: a verify of n rows against a plain step, as
+# measured on the CPUs of rounds 14-22 (16 rows about 1.6x, 64 rows about 3x); the controller scales it
+# by the steps' own measured times within a few steps (core.budget.controller).
+PROVISIONAL_RATIOS = {1: 1.0, 16: 1.6, 64: 3.0, 256: 10.0}
+
+
+def provisional_profile(plain_ms: float, device: str = "cpu", model: str = "") -> CostProfile:
+    """A rough profile from one measured plain step (`plain_ms`): what a run starts on while the real
+    profile is measured off the request path."""
+    return CostProfile(sizes=list(PROVISIONAL_RATIOS), ms=[plain_ms * r for r in PROVISIONAL_RATIOS.values()],
+                       device=device, model=f"{model} (provisional)")
+
+
+T = TypeVar("T")
+
+
+def _direct(work: Callable[[], T]) -> T:
+    return work()
+
+
+def _no_grad(work: Callable[[], T]) -> Callable[[], T]:
+    """`work` under inference mode wherever it runs (inference mode is per thread)."""
+    def piece() -> T:
+        with torch.inference_mode():
+            return work()
+    return piece
+
+
 @torch.inference_mode()
 def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES,
-                    contexts: tuple[int, ...] = PROFILE_CONTEXTS, repeats: int = 3) -> CostProfile:
+                    contexts: tuple[int, ...] = PROFILE_CONTEXTS, repeats: int = 3,
+                    run: Callable[[Callable[[], T]], T] = _direct) -> CostProfile:
     """Time one verify of n nodes (a chain tree; cost depends on n, not on the shape) on top of
-    caches of each context length (one prefill per context; each verify is cropped off again)."""
+    caches of each context length (one prefill per context; each verify is cropped off again).
+    `run` executes each piece (a prefill, one size's timing): the page passes the tensor thread's
+    runner, so a user's Start waits for one piece at most, never the whole profile."""
     contexts = tuple(c for c in contexts if c + max(sizes) < base.max_positions) or contexts[:1]
-    rows = [_measure_row(base, sizes, context, repeats) for context in contexts]
+    rows = [_measure_row(base, sizes, context, repeats, run) for context in contexts]
     for low, high in zip(rows, rows[1:]):  # a longer context cannot be cheaper: smooth noise
         high[:] = [max(a, b) for a, b in zip(low, high)]
     return CostProfile(sizes=list(sizes), ms=rows[0], device=str(base.device), model=base.source,
                        contexts=list(contexts), ms_by_context=rows[1:])
 
 
-def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats: int) -> list[float]:
+def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats: int,
+                 run: Callable[[Callable[[], T]], T] = _direct) -> list[float]:
     prompt = torch.arange(1000, 1000 + context) % base.model.config.vocab_size
     cache = base.new_cache(context + max(sizes))
-    forward_tokens(base, cache, prompt, torch.arange(context))
+    run(_no_grad(lambda: forward_tokens(base, cache, prompt, torch.arange(context))))
     medians = []
     for size in sizes:
         tree = chain_tree(size - 1) if size > 1 else CandidateTree(paths=[])
@@ -138,7 +171,8 @@ def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats:
             verified = verify_tree(base, cache, tokens, buffers.attn_mask, buffers.position_ids)
             verified.logits(list(range(0, size, 3)))  # acceptance projects about a third of the nodes
 
-        medians.append(median_ms(verify, repeats, base.device, setup=lambda: truncate(cache, context)))
+        medians.append(run(_no_grad(lambda: median_ms(verify, repeats, base.device,
+                                                      setup=lambda: truncate(cache, context)))))
     # latency cannot fall with more tokens: smooth measurement noise
     for i in range(len(medians) - 2, -1, -1):
         medians[i] = min(medians[i], medians[i + 1])
@@ -161,19 +195,22 @@ def profile_cached(base: BaseModel, cache_dir: Path = PROFILE_DIR) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def verify_profile(base: BaseModel, cache_dir: Path = PROFILE_DIR) -> CostProfile:
-    """The cached profile for this device/model/precision/threads, measured on first use."""
+def verify_profile(base: BaseModel, cache_dir: Path = PROFILE_DIR,
+                   run: Callable[[Callable[[], T]], T] = _direct) -> CostProfile:
+    """The cached profile for this device/model/precision/threads, measured on first use (`run`:
+    where each piece of the measurement runs, as in `measure_profile`)."""
     with _MEASURING:  # two sessions starting at once measure once
-        return _load_or_measure(base, cache_dir)
+        return _load_or_measure(base, cache_dir, run)
 
 
-def _load_or_measure(base: BaseModel, cache_dir: Path) -> CostProfile:
+def _load_or_measure(base: BaseModel, cache_dir: Path,
+                     run: Callable[[Callable[[], T]], T] = _direct) -> CostProfile:
     path = _profile_path(base, cache_dir)
     if path.exists():
         return CostProfile(**json.loads(path.read_text()))
-    before = _measure_row(base, (1,), PROFILE_CONTEXTS[0], repeats=5)[0]
-    profile = measure_profile(base)
-    after = _measure_row(base, (1,), PROFILE_CONTEXTS[0], repeats=5)[0]
+    before = _measure_row(base, (1,), PROFILE_CONTEXTS[0], 5, run)[0]
+    profile = measure_profile(base, run=run)
+    after = _measure_row(base, (1,), PROFILE_CONTEXTS[0], 5, run)[0]
     if not measured_quietly(before, after, profile.ms[0]):
         return profile  # the machine was busy: use it for this run (the run corrects it), never cache it
     try:
