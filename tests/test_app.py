@@ -102,7 +102,8 @@ def _plot_points(view, name: str) -> int:
     return len(nodes[0]["x"]) if nodes else 0
 
 
-def test_start_step_run_matches_plain_greedy(url, plain_greedy):
+def test_start_step_run_matches_plain_greedy(url, plain_greedy, monkeypatch):
+    monkeypatch.setattr(app, "RUN_REDRAW_S", 0.0)  # every step drawn
     client = _client(url)
     view = _call(client, "start", PROMPT_A)
     assert "Prefilled" in view[OUT["status"]]
@@ -121,6 +122,17 @@ def test_start_step_run_matches_plain_greedy(url, plain_greedy):
     assert summary["greedy_check"]["state"] == "ok"
     assert "identical" in final[OUT["stats"]]
     assert final[OUT["plain_text"]] == labstate.runtime("fp32").base.decode(reference)
+
+
+def test_run_to_end_redraws_at_its_pace_and_always_draws_the_end(url, plain_greedy, monkeypatch):
+    """Issue 46: Run to end redraws at most every RUN_REDRAW_S (each redraw takes the cores from
+    decoding); its first step and its finished state are always drawn."""
+    monkeypatch.setattr(app, "RUN_REDRAW_S", 3600.0)
+    client = _client(url)
+    _call(client, "start", PROMPT_B)
+    final, outputs = _call(client, "run", PROMPT_B)
+    assert len(outputs) == 2 and outputs[0][OUT["summary"]]["steps"] == 1
+    assert final[OUT["summary"]]["finished"] and final[OUT["summary"]]["output_ids"] == plain_greedy(PROMPT_B)
 
 
 def test_step_auto_starts_and_two_clients_keep_separate_state(url, plain_greedy):
