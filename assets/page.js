@@ -29,7 +29,17 @@
       }
     }
   };
-  new MutationObserver(purgeRemoved).observe(document.body, { childList: true, subtree: true });
+  // the generated text keeps to a few lines (the tree stays in view) and shows its newest tokens,
+  // or the step being revisited, inside its own scroll box
+  const followText = () => {
+    const body = document.querySelector('#gen-text .gen-body');
+    if (!body || body.scrollHeight <= body.clientHeight) { return; }
+    const selected = body.querySelector('.tok.sel');
+    body.scrollTop = selected ? selected.offsetTop - body.offsetTop - body.clientHeight / 2 : body.scrollHeight;
+  };
+  const textChanged = (records) => records.some((r) => r.target instanceof Element && r.target.closest('#gen-text'));
+  new MutationObserver((records) => { purgeRemoved(records); if (textChanged(records)) { followText(); } })
+    .observe(document.body, { childList: true, subtree: true });
   // a typed value outside a slider's range: Gradio clamps it on blur without a word, so the page says so
   // under the slider (read in the capture phase, before the clamp), and drops the note once in range
   const sliderBox = (el) => el instanceof HTMLInputElement && el.type === 'number' &&
