@@ -38,18 +38,25 @@
     body.scrollTop = selected ? selected.offsetTop - body.offsetTop - body.clientHeight / 2 : body.scrollHeight;
   };
   const textChanged = (records) => records.some((r) => r.target instanceof Element && r.target.closest('#gen-text'));
-  new MutationObserver((records) => { purgeRemoved(records); if (textChanged(records)) { followText(); } })
+  let following = false;  // one layout read a frame, however many mutations a redraw makes
+  const followSoon = () => {
+    if (following) { return; }
+    following = true;
+    requestAnimationFrame(() => { following = false; followText(); });
+  };
+  new MutationObserver((records) => { purgeRemoved(records); if (textChanged(records)) { followSoon(); } })
     .observe(document.body, { childList: true, subtree: true });
   // a typed value outside a slider's range: Gradio clamps it on blur without a word, so the page says so
   // under the slider (read in the capture phase, before the clamp), and drops the note once in range
   const sliderBox = (el) => el instanceof HTMLInputElement && el.type === 'number' &&
     el.closest('.block') && el.closest('.block').querySelector('input[type=range]') ? el : null;
+  const inRange = (box) => parseFloat(box.value) >= parseFloat(box.min) && parseFloat(box.value) <= parseFloat(box.max);
   const sayClamped = (box) => {
     const block = box.closest('.block');
-    const value = parseFloat(box.value), low = parseFloat(box.min), high = parseFloat(box.max);
+    const value = parseFloat(box.value), high = parseFloat(box.max);
     let note = block.querySelector('.clamp-note');
-    if (Number.isNaN(value) || (value >= low && value <= high)) { if (note) { note.remove(); } return; }
-    const used = value > high ? high : low;
+    if (Number.isNaN(value) || inRange(box)) { if (note) { note.remove(); } return; }
+    const used = value > high ? high : parseFloat(box.min);
     if (!note) { note = document.createElement('div'); note.className = 'clamp-note'; block.appendChild(note); }
     note.textContent = `${box.value} is ${value > high ? 'above the largest' : 'below the smallest'} value ` +
       `this setting takes: ${used} is used.`;
@@ -59,7 +66,7 @@
     const block = event.target instanceof Element && event.target.closest('.block');
     const note = block && block.querySelector('.clamp-note');
     const box = note && block.querySelector('input[type=number]');
-    if (box && parseFloat(box.value) >= parseFloat(box.min) && parseFloat(box.value) <= parseFloat(box.max)) { note.remove(); }
+    if (box && inRange(box)) { note.remove(); }
   }, true);
   // larger type for a projector
   document.addEventListener('change', (event) => {

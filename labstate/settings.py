@@ -172,11 +172,12 @@ RIVAL_CHOICES = ("", "auto", DYNAMIC, HYDRA, EAGLE)  # the families that draw a 
 def _as_rival(value: object) -> str:
     """The family drawn beside the run's: a family of RIVAL_CHOICES; true = "auto" (the family table's
     rival: Medusa <-> Hydra, EAGLE -> Hydra) and false = "" (none), as the old check box sent."""
-    if isinstance(value, bool) or value in (0, 1, None):
-        return "auto" if value else ""
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return "auto" if value.strip().lower() == "true" else ""
-    return _choice("the drafter drawn beside", value, RIVAL_CHOICES)
+    if isinstance(value, str) and value in RIVAL_CHOICES:
+        return value
+    try:
+        return "auto" if _as_bool("the drafter drawn beside", value) else ""
+    except LabInputError:
+        return _choice("the drafter drawn beside", value, RIVAL_CHOICES)
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> str:

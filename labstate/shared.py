@@ -141,6 +141,8 @@ def warm_up(precision: str, tree: bool, notify: Callable[[str], None], wait: boo
 
 _PROFILES: dict[str, CostProfile] = {}  # precision -> verify-cost profile (tests may seed it)
 _MEASURING: dict[str, threading.Thread] = {}  # precision -> the thread measuring its profile
+_MEASURING_LOCK = threading.Lock()  # guards _MEASURING
+_PROFILE_LOCK = threading.Lock()  # held while a profile is measured: measured once per precision
 
 
 def cost_profile(rt: Runtime, wait: bool = True) -> CostProfile:
@@ -165,10 +167,6 @@ def _start_measuring(rt: Runtime) -> bool:
         _MEASURING[key] = threading.Thread(target=_measure_profile, args=(rt,), name=f"profile-{key}", daemon=True)
         _MEASURING[key].start()
         return True
-
-
-_MEASURING_LOCK = threading.Lock()
-_PROFILE_LOCK = threading.Lock()
 
 
 def _measure_profile(rt: Runtime) -> CostProfile:

@@ -8,59 +8,41 @@ closing note and docs/RESULTS.md.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-REPO = Path(__file__).resolve().parent.parent
+from offline.served import REPO, served_app
+
 TREE_JS = "() => document.querySelectorAll('#tree-plot .js-plotly-plot .scatterlayer .point').length > 2"
 
 
 def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="medusa-fresh-cache-"))
     shutil.copytree(REPO / ".cache" / "extensions", cache / "extensions")  # what scripts/setup.sh builds
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "MEDUSA_LAB_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-    log = open(cache / "app.log", "w")
+    env = {"MEDUSA_LAB_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
     launched = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
     try:
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        answered = time.perf_counter() - launched
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.goto(url)
-            page.locator("#step-btn").wait_for()
-            clicked = time.perf_counter()
-            page.locator("#step-btn").click()
-            page.wait_for_function(TREE_JS, timeout=600_000)
-            to_tree = time.perf_counter() - clicked
-            status = page.locator("#status").inner_text()
-            browser.close()
+        with served_app(env=env, log=cache / "app.log") as (url, _):
+            answered = time.perf_counter() - launched
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+                page = browser.new_page(viewport={"width": 1280, "height": 800})
+                page.goto(url)
+                page.locator("#step-btn").wait_for()
+                clicked = time.perf_counter()
+                page.locator("#step-btn").click()
+                page.wait_for_function(TREE_JS, timeout=600_000)
+                to_tree = time.perf_counter() - clicked
+                status = page.locator("#status").inner_text()
+                browser.close()
         profiled = (cache / "profiles").exists() and any((cache / "profiles").iterdir())
         print(json.dumps({"launch_to_page_s": round(answered, 1), "first_step_click_to_tree_s": round(to_tree, 1),
                           "profile_cached_by_then": profiled, "status": status}, indent=1))
     finally:
-        server.terminate()
-        server.wait(timeout=30)
         shutil.rmtree(cache, ignore_errors=True)
 
 

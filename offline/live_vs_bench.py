@@ -10,17 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-REPO = Path(__file__).resolve().parent.parent
+from offline.served import REPO, served_app
 
 
 def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
@@ -35,20 +32,7 @@ def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
 
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-    server = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=REPO, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+    with served_app(env={"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}) as (url, _):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1440, "height": 900})
@@ -68,9 +52,6 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
                                   ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
             card = page.locator("#stats").inner_text()
             browser.close()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     values = {"tokens": float(cards["tokens"]), "steps": float(cards["steps"]),
               "tokens_per_s": float(cards["tokens / s"])}
     page_ms = next((line for line in card.splitlines() if "page:" in line), "")

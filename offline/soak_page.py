@@ -9,25 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 from playwright.sync_api import sync_playwright
 
-REPO = Path(__file__).resolve().parent.parent
+from core.machine import cpu_name
+from offline.served import REPO, served_app
 CHROMIUM = "/usr/bin/chromium"
 STEPS_JS = "() => parseInt(document.querySelectorAll('#stats .card .v')[1]?.textContent || '0')"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rss_mb(process: psutil.Process) -> float:
@@ -74,60 +65,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "soak.json")
     args = parser.parse_args(argv)
-    port = _free_port()
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-    log = open(args.out.with_suffix(".log"), "w")
-    server = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
     points: list[dict] = []
-    try:
-        url = f"http://127.0.0.1:{port}/"
-        for _ in range(600):
+    env = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    with served_app(env=env, log=args.out.with_suffix(".log")) as (url, server), sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser_pid = next(p.pid for p in psutil.Process().children(recursive=True)
+                           if "chromium" in p.name() and "--type=" not in " ".join(p.cmdline()))
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("HeapProfiler.enable")
+        page.goto(url)
+        page.locator("#step-btn").wait_for(timeout=600_000)
+        handle = psutil.Process(server.pid)
+        points.append(_checkpoint(page, cdp, handle, browser_pid, 0, "start"))
+        started = time.perf_counter()
+        for step in range(1, args.live + 1):
             try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            browser_pid = next(p.pid for p in psutil.Process().children(recursive=True)
-                               if "chromium" in p.name() and "--type=" not in " ".join(p.cmdline()))
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            cdp = page.context.new_cdp_session(page)
-            cdp.send("HeapProfiler.enable")
-            page.goto(url)
-            page.locator("#step-btn").wait_for(timeout=600_000)
-            handle = psutil.Process(server.pid)
-            points.append(_checkpoint(page, cdp, handle, browser_pid, 0, "start"))
-            started = time.perf_counter()
-            for step in range(1, args.live + 1):
-                try:
-                    _step_live(page, 120_000)
-                except Exception:
-                    page.screenshot(path=str(args.out.with_suffix(f".stuck{step}.png")), full_page=True)
-                    print(f"step {step} stuck: {page.locator('#status').inner_text()!r}", flush=True)
-                    raise
-                if step in (20,) or step % args.every == 0:
-                    points.append(_checkpoint(page, cdp, handle, browser_pid, step, "live"))
-                    print(points[-1], f"{time.perf_counter() - started:.0f} s", flush=True)
-            page.get_by_text("Recorded runs: the gallery").click()
-            page.locator("#gallery-pick input").click()
-            page.locator("ul[role=listbox] li").first.click()
-            page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('Replay of')",
-                                   timeout=60_000)
-            direction = 1
-            for step in range(1, args.replayed + 1):
-                direction = _step_replay(page, direction, 60_000)
-                if step % args.every == 0:
-                    points.append(_checkpoint(page, cdp, handle, browser_pid, args.live + step, "replayed"))
-                    print(points[-1], flush=True)
-            browser.close()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "")
-    args.out.write_text(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "points": points}, indent=1))
+                _step_live(page, 120_000)
+            except Exception:
+                page.screenshot(path=str(args.out.with_suffix(f".stuck{step}.png")), full_page=True)
+                print(f"step {step} stuck: {page.locator('#status').inner_text()!r}", flush=True)
+                raise
+            if step in (20,) or step % args.every == 0:
+                points.append(_checkpoint(page, cdp, handle, browser_pid, step, "live"))
+                print(points[-1], f"{time.perf_counter() - started:.0f} s", flush=True)
+        page.get_by_text("Recorded runs: the gallery").click()
+        page.locator("#gallery-pick input").click()
+        page.locator("ul[role=listbox] li").first.click()
+        page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('Replay of')",
+                               timeout=60_000)
+        direction = 1
+        for step in range(1, args.replayed + 1):
+            direction = _step_replay(page, direction, 60_000)
+            if step % args.every == 0:
+                points.append(_checkpoint(page, cdp, handle, browser_pid, args.live + step, "replayed"))
+                print(points[-1], flush=True)
+        browser.close()
+    args.out.write_text(json.dumps({"cpu": cpu_name(), "cores": os.cpu_count(), "points": points}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -4,11 +4,12 @@ Small settings (budget 15, 16 new tokens) keep it quick on a 2-core CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
-import socket
 import time
 import urllib.request
+from typing import Iterator
 
 import pytest
 
@@ -16,6 +17,7 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 import app  # noqa: E402  (builds the Blocks; launches nothing)
+from offline.served import free_port  # noqa: E402
 import labstate  # noqa: E402
 from labstate import replay as replay_module  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
@@ -37,12 +39,6 @@ PROMPT_A = "Write a haiku about cats."
 PROMPT_B = "List three uses of <b>HTML</b> tags & why\nthey matter."
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # a made-up verify-cost profile (no 5-10 s measurement in tests): one token 30 ms, 64 tokens 90 ms
 PROFILE = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], device="cpu", model="test")
 
@@ -56,13 +52,22 @@ def profiles():
     labstate._PROFILES.update(saved)
 
 
+@contextlib.contextmanager
+def _serving(demo) -> Iterator[str]:
+    """`demo` served in this process on a free port (the page's launch options); yields its URL."""
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **app.launch_kwargs())
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
 @pytest.fixture(scope="module")
 def url() -> str:
-    port = _free_port()
-    app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                    **app.launch_kwargs())
-    yield f"http://127.0.0.1:{port}/"
-    app.demo.close()
+    with _serving(app.demo) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -440,13 +445,8 @@ def test_a_zero_gpu_start_decodes_the_whole_run_and_the_page_replays_it(plain_gr
     demo = app.build_demo(record_on_start=True)
     names = {fn.api_name for fn in demo.fns.values() if fn.api_name}
     assert "start" in names and not names & {"step", "run", "stop", "check", "reset"}
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                **app.launch_kwargs())
-    try:
-        view = _call(_client(f"http://127.0.0.1:{port}/"), "start", PROMPT_A)
-    finally:
-        demo.close()
+    with _serving(demo) as served:
+        view = _call(_client(served), "start", PROMPT_A)
     status = view[OUT["status"]]
     assert "Replay of a recorded run" in status and "Decoded the whole run in one GPU call" in status
     assert "1 step(s)" in status and "This recording's settings" in view[OUT["recording"]]["value"]

@@ -10,18 +10,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from offline.served import REPO, served_app
+
 CHROMIUM = "/usr/bin/chromium"
-REPO = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 SERVER_START_TIMEOUT_S = 240
@@ -56,46 +53,14 @@ LABEL_BOXES_JS = """(selector) => {
 }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"app.py exited early with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"app.py did not answer on {url} within {timeout} s")
-
-
 @contextlib.contextmanager
 def running_app(log: Path, *args: str) -> Iterator[tuple[str, float]]:
     """`python app.py ARGS --port N`, as a user would start it (its output in `log`); yields (url,
     launch time) once the page answers, and stops the server afterwards."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False"}
     launched = time.perf_counter()
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "app.py", *args, "--port", str(port)], cwd=REPO, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        _wait_http(url, process, SERVER_START_TIMEOUT_S)
+    with served_app(*args, env={"PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False"}, log=log,
+                    timeout=SERVER_START_TIMEOUT_S) as (url, _):
         yield url, launched
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")

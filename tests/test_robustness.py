@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ psutil = pytest.importorskip("psutil")
 from gradio_client.exceptions import AppError  # noqa: E402
 
 import app  # noqa: E402  (builds the Blocks; launches nothing)
+from offline.served import free_port, stop  # noqa: E402
 import labstate  # noqa: E402
 import page  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
@@ -48,12 +48,6 @@ LONG_B = "List the numbers from 1 to 100, separated by commas."
 RSS_LIMIT_BYTES = 3 * 1024 ** 3
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url():
     """The app in this process, with a fresh session registry (so earlier test modules do not count)."""
@@ -61,7 +55,7 @@ def url():
     fake = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], device="cpu", model="test")
     labstate._PROFILES.update({"fp32": fake, "bf16": fake, "gguf": fake})  # no 5-10 s measurement here
     app.SESSIONS = labstate.SessionRegistry(max_sessions=64, idle_seconds=600)
-    port = _free_port()
+    port = free_port()
     app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                     **app.launch_kwargs())
     yield f"http://127.0.0.1:{port}/"
@@ -407,7 +401,7 @@ def _rss_tree(pid: int) -> int:
 
 
 def test_session_cap_evicts_idle_sessions_and_memory_stays_bounded(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
            "MEDUSA_LAB_MAX_SESSIONS": "3", "MEDUSA_LAB_SESSION_IDLE_S": "600"}
     log = tmp_path / "app.log"
@@ -456,11 +450,7 @@ def test_session_cap_evicts_idle_sessions_and_memory_stays_bounded(tmp_path):
         assert rss_after - rss_before < 600 * 2 ** 20
         assert "Traceback" not in log.read_text()
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
 
 
 # -- nothing let in ------------------------------------------------------------------------------------

