@@ -44,8 +44,28 @@
     following = true;
     requestAnimationFrame(() => { following = false; followText(); });
   };
-  new MutationObserver((records) => { purgeRemoved(records); if (textChanged(records)) { followSoon(); } })
-    .observe(document.body, { childList: true, subtree: true });
+  // a newly drawn tree whose top is in the window but whose bottom is not: the page scrolls just enough to
+  // show it whole (keeping its top in view), so a Step shows its tree without the user scrolling; a user
+  // who scrolled past the tree's top (to the tables below) is left where they are
+  const treeIntoView = () => {
+    const plot = document.querySelector('#tree-plot .js-plotly-plot');
+    if (!plot) { return; }
+    const box = plot.getBoundingClientRect();
+    const below = box.bottom - window.innerHeight + 4;
+    if (box.top >= 0 && below > 0) { window.scrollBy({ top: Math.min(box.top, below), behavior: 'instant' }); }
+  };
+  const treeDrawn = (records) => records.some((r) => r.target instanceof Element && r.target.closest('#tree-plot'));
+  let placing = false;
+  const placeSoon = () => {
+    if (placing) { return; }
+    placing = true;
+    requestAnimationFrame(() => { placing = false; treeIntoView(); });
+  };
+  new MutationObserver((records) => {
+    purgeRemoved(records);
+    if (textChanged(records)) { followSoon(); }
+    if (treeDrawn(records)) { placeSoon(); }
+  }).observe(document.body, { childList: true, subtree: true });
   // a typed value outside a slider's range: Gradio clamps it on blur without a word, so the page says so
   // under the slider (read in the capture phase, before the clamp), and drops the note once in range
   const sliderBox = (el) => el instanceof HTMLInputElement && el.type === 'number' &&

@@ -178,10 +178,17 @@ def _measure_profile(rt: Runtime) -> CostProfile:
     return _PROFILES[key]
 
 
+_PLAIN_STEP_SECONDS: dict[str, float] = {}  # precision -> a provisional profile's plain step, timed once
+
+
 def _plain_step_seconds(rt: Runtime) -> float:
-    """One plain step's time over a short context (a provisional profile's scale)."""
-    vocab = rt.base.model.config.vocab_size
-    return measure_forward_seconds(rt.base, [token % vocab for token in range(1000, 1064)])
+    """One plain step's time over a short context (a provisional profile's scale), timed once per
+    precision: the Starts made while the profile is measured reuse it."""
+    key = rt.base.config.dtype
+    if key not in _PLAIN_STEP_SECONDS:
+        vocab = rt.base.model.config.vocab_size
+        _PLAIN_STEP_SECONDS[key] = measure_forward_seconds(rt.base, [token % vocab for token in range(1000, 1064)])
+    return _PLAIN_STEP_SECONDS[key]
 
 
 @tensor_work

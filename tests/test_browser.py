@@ -292,6 +292,13 @@ def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
 VISIBLE_BUTTONS_JS = """(pattern) => [...document.querySelectorAll('button')]
     .filter(b => b.offsetParent !== null && new RegExp(pattern).test(b.innerText.trim())).map(b => b.id)"""
 SHOWN_JS = "(s) => { const e = document.querySelector(s); return !!e && e.offsetParent !== null; }"
+# the whole tree plot and the given button inside the window
+TREE_AND_BUTTON_IN_VIEW_JS = """(button) => {
+  const inside = (e) => { const r = e.getBoundingClientRect();
+    return r.height > 0 && r.top >= 0 && r.bottom <= window.innerHeight + 1; };
+  const tree = document.querySelector('#tree-plot .js-plotly-plot');
+  return !!tree && inside(tree) && inside(document.querySelector(button));
+}"""
 
 
 def _pick_first_gallery_run(page) -> None:
@@ -306,14 +313,15 @@ def test_a_recording_on_screen_takes_the_place_of_the_live_controls(page, shots)
     """Issue 48: while a recording is on screen its own settings show read-only where the live controls
     were, the live header's model line gives way, and one Step / Run to end pair (the replay's) is on the
     page; back on the live run, the live controls return with the prompt and settings as they were, and
-    the replay's buttons go. At 1280x800 the tree's top is in view in both."""
+    the replay's buttons go. At 1280x800 a Step shows its whole tree and the stepping buttons, live and in
+    a replay, without the user scrolling."""
     page.set_viewport_size({"width": 1280, "height": 800})
     page.get_by_label("Prompt", exact=True).fill("Name three rivers in Europe.")
     _set_number(page, "max-new", 17)
     _step(page, 1)
+    _step(page, 2)
     assert page.evaluate(VISIBLE_BUTTONS_JS, "^(Step|Run to end)") == ["step-btn", "run-btn"]
-    page.evaluate("window.scrollTo(0, 0)")
-    assert page.evaluate("() => document.querySelector('#tree-plot').getBoundingClientRect().top < 800 - 150")
+    page.wait_for_function(TREE_AND_BUTTON_IN_VIEW_JS, arg="#step-btn", timeout=10_000)
     page.screenshot(path=str(shots / "live_1280x800.png"))
 
     _pick_first_gallery_run(page)
@@ -322,11 +330,11 @@ def test_a_recording_on_screen_takes_the_place_of_the_live_controls(page, shots)
     recorded = page.locator("#recording-settings").inner_text()
     assert "This recording's settings" in recorded and "fp32" in recorded and "sky is blue" in recorded
     page.evaluate("window.scrollTo(0, 0)")
-    assert page.evaluate("() => document.querySelector('#tree-plot').getBoundingClientRect().top < 800 - 150")
-    page.screenshot(path=str(shots / "replay_on_live_page_1280x800.png"))
     shown = _steps(page)
     page.locator("#replay-step-btn").click()
     page.wait_for_function(STEPS_JS, arg=shown + 1, timeout=UI_TIMEOUT_MS)
+    page.wait_for_function(TREE_AND_BUTTON_IN_VIEW_JS, arg="#replay-step-btn", timeout=10_000)
+    page.screenshot(path=str(shots / "replay_on_live_page_1280x800.png"))
 
     trace = REPO / "assets" / "gallery" / json.loads((REPO / "assets/gallery/index.json").read_text())["runs"][1]["file"]
     page.locator("#trace-upload").locator("xpath=..").locator("input[type=file]").set_input_files(str(trace))
@@ -334,7 +342,7 @@ def test_a_recording_on_screen_takes_the_place_of_the_live_controls(page, shots)
                            timeout=UI_TIMEOUT_MS)
 
     page.locator("#back-to-live-btn").click()
-    page.wait_for_function(STEPS_JS, arg=1, timeout=UI_TIMEOUT_MS)
+    page.wait_for_function(STEPS_JS, arg=2, timeout=UI_TIMEOUT_MS)
     page.wait_for_function(SHOWN_JS, arg="#live-controls", timeout=UI_TIMEOUT_MS)
     assert page.evaluate(VISIBLE_BUTTONS_JS, "^(Step|Run to end)") == ["step-btn", "run-btn"]
     assert not page.evaluate(SHOWN_JS, "#back-to-live-btn") and page.evaluate(SHOWN_JS, "#model-info")

@@ -331,7 +331,7 @@ def test_lookup_nodes_are_diamonds_and_copied_tokens_are_marked():
 # -- issue 14: readable at every size, the defects a new user hit ---------------------------------------
 from viz.bench_plot import bench_figure, markdown_table, result_order  # noqa: E402
 from viz.labels import sequence_texts, split_utf8, standalone_text  # noqa: E402
-from viz.tree_plot import PLOT_WIDTH_PX, TITLE_CHARS, node_texts  # noqa: E402
+from viz.tree_plot import FIT_FIGURE_PX, PLOT_WIDTH_PX, TITLE_CHARS, Box, bonus_edge_px, node_texts  # noqa: E402
 from viz.verify_view import verification, verification_html  # noqa: E402
 
 EMOJI = "🙂".encode()  # F0 9F 99 82
@@ -372,6 +372,39 @@ def test_tree_labels_never_overlap_at_any_size(budget, top_m, depth, texts):
                for line in fig.layout.title.text.split("<br>"))  # wrapped, never cut
     bar = nodes.marker.colorbar
     assert bar.lenmode == "pixels" and bar.len <= 170  # the colour bar keeps its size
+
+
+def _crosses(corners: list[tuple[float, float]], box: Box) -> bool:
+    """Whether an axis-aligned polyline passes through a box."""
+    for (x0, y0), (x1, y1) in zip(corners, corners[1:]):
+        left, right, top, bottom = min(x0, x1), max(x0, x1), min(y0, y1), max(y0, y1)
+        if left < box.right - 1 and box.left + 1 < right + 1e-9 and top < box.bottom - 1 and box.top + 1 < bottom + 1e-9:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("budget, top_m, depth", [(15, 8, 4), (63, 32, 4), (63, 4, 4), (256, 64, 4), (40, 4, 2)])
+@pytest.mark.parametrize("deepest", [True, False])
+def test_the_bonus_edge_crosses_no_label(budget, top_m, depth, deepest):
+    """Issue 48: the dotted bonus edge runs up its node's column and along a lane above the tree, never
+    through another node's label, whichever node the path ends on."""
+    outcome = _wide_outcome(budget, top_m, depth)
+    if not deepest:  # the path ends on an inner node in the middle of the tree
+        middle = outcome.tree.num_nodes // 2
+        outcome = dataclasses.replace(outcome, accepted_nodes=outcome.tree.ancestors(middle))
+    fig = tree_figure(outcome, "Step 1")
+    corners = bonus_edge_px(fig)
+    assert len(corners) == 3 and corners[0][0] == corners[1][0] and corners[1][1] == corners[2][1]
+    assert [box for box in label_boxes(fig) if _crosses(corners, box)] == []
+
+
+@pytest.mark.parametrize("budget, top_m", [(63, 32), (63, 8), (30, 30)])
+def test_a_default_sized_tree_fits_a_laptop_screen(budget, top_m):
+    """Issue 48: the auto budget's trees (up to 63 nodes) fit in a 1280x800 window: rows close up."""
+    note = "the heads had not paid lately: the auto budget verified the lookup chain alone (the heads' nodes faded)"
+    fig = tree_figure(_wide_outcome(budget, top_m, 4), "Step 3: Dynamic tree, auto budget: 63 of ≤ 63 nodes", note)
+    assert fig.layout.title.text.count("<br>") >= 2 and fig.layout.height <= FIT_FIGURE_PX
+    assert _overlaps(fig) == []
 
 
 def test_lookup_chain_of_ten_is_labelled_legibly():

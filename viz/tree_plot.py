@@ -27,6 +27,8 @@ PLOT_WIDTH_PX = 1000  # the tree tab's plot width on a laptop or projector (the 
 FONT_PX = 12
 LABEL_BOX_PX = 16  # a label's height, with a little air
 ROW_PX = 18  # vertical pixels per leaf row
+MIN_ROW_PX = 8  # rows close up to this so a tree fits a laptop's screen; wider trees grow past it
+FIT_FIGURE_PX = 760  # a whole figure in view in a 1280x800 window (the page scrolls the tree into view)
 MIN_PLOT_PX, MAX_HEIGHT = 220, 1200
 MARGIN_BOTTOM, MARGIN_SIDE = 95, 20
 TITLE_LINE_PX, TITLE_CHARS = 22, 90
@@ -226,9 +228,15 @@ def _title_html(title: str, subtitle: str) -> tuple[str, int]:
     return "<br>".join(main) + "<br>" + "<br>".join(f"<sup>{line}</sup>" for line in sub), len(main) + len(sub)
 
 
-def _frame(layout: TreeLayout, bonus_x: float, plot_height: float) -> Frame:
+def _row_px(rows: int, margin_top: float) -> float:
+    """Pixels a leaf row gets: ROW_PX, closed up (to MIN_ROW_PX at least) so the figure fits FIT_FIGURE_PX."""
+    fitting = (FIT_FIGURE_PX - margin_top - MARGIN_BOTTOM) / (rows + 2.0)  # the lane takes up to 1.6 rows
+    return max(MIN_ROW_PX, min(ROW_PX, fitting))
+
+
+def _frame(layout: TreeLayout, bonus_x: float, plot_height: float, top: float) -> Frame:
     width = PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX
-    return Frame(x_range=(-LEFT_COLUMNS, bonus_x + RIGHT_COLUMNS), y_range=(layout.rows - 0.4, -1.8),
+    return Frame(x_range=(-LEFT_COLUMNS, bonus_x + RIGHT_COLUMNS), y_range=(layout.rows - 0.4, top),
                  width=width, height=plot_height)
 
 
@@ -252,11 +260,15 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     sizes = [_marker_size(p, i in copied) for i, p in enumerate(scores)]
     title_text, title_lines = _title_html(title, _subtitle(outcome, note))
     margin_top = 20 + TITLE_LINE_PX * title_lines
-    plot_height = max(MIN_PLOT_PX, min(MAX_HEIGHT - margin_top - MARGIN_BOTTOM, ROW_PX * (layout.rows + 1.4)))
-    height = int(plot_height + margin_top + MARGIN_BOTTOM)
+    row_px = _row_px(layout.rows, margin_top)
     bonus_x = float(tree.max_depth + 1)  # its own column, after the deepest node
-    bonus_y = -1.0  # a lane above the tree
-    frame = _frame(layout, bonus_x, plot_height)
+    bonus_y = -max(1.0, LABEL_BOX_PX / row_px)  # a lane above the tree, clear of the top row's labels
+    rows_shown = layout.rows + 0.4 - bonus_y  # the y range: the last row's half, the rows, the lane and its air
+    plot_height = max(MIN_PLOT_PX, min(MAX_HEIGHT - margin_top - MARGIN_BOTTOM, row_px * rows_shown))
+    height = int(plot_height + margin_top + MARGIN_BOTTOM)
+    # closed-up rows get smaller markers (a diamond keeps the size it needs to read as one)
+    sizes = [max(13.0 if i in copied else 5.0, size * row_px / ROW_PX) for i, size in enumerate(sizes)]
+    frame = _frame(layout, bonus_x, plot_height, top=bonus_y - 0.8)
     bonus_label = _fit(bonus_text, frame.column_px * RIGHT_COLUMNS - 14)
     reserved = [_label_box(frame, bonus_x, bonus_y, bonus_label, 22, left=False)]
     order = accepted + sorted((i for i in range(len(scores)) if i not in accepted_set), key=lambda i: -scores[i])
@@ -275,7 +287,10 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     xs, ys = _edge_xy(layout, path_edges) if path_edges else ([None], [None])  # keeps the legend entry
     traces.append(_scatter(x=xs, y=ys, mode="lines", line={"color": style.ACCEPTED, "width": 5},
                              hoverinfo="skip", name="accepted path", showlegend=True))
-    traces.append(_scatter(x=[layout.x[accepted[-1]], bonus_x], y=[layout.y[accepted[-1]], bonus_y],
+    # the bonus edge climbs its node's column to the lane above the tree, then runs along the lane to the
+    # star: a column holds markers only (labels sit right of them), so the edge crosses no label
+    last = accepted[-1]
+    traces.append(_scatter(x=[layout.x[last], layout.x[last], bonus_x], y=[layout.y[last], bonus_y, bonus_y],
                              mode="lines", line={"color": style.BONUS, "width": 3, "dash": "dot"},
                              hoverinfo="skip", showlegend=False, name="bonus edge"))
     traces.append(_scatter(
@@ -337,19 +352,28 @@ def _scatter(**properties: object) -> dict:
     return {"type": "scatter", **properties}
 
 
+def _figure_frame(fig: go.Figure) -> Frame:
+    margin = fig.layout.margin
+    return Frame(x_range=tuple(fig.layout.xaxis.range), y_range=tuple(fig.layout.yaxis.range),
+                 width=PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX, height=fig.layout.height - margin.t - margin.b)
+
+
 def label_boxes(fig: go.Figure) -> list[Box]:
     """The label boxes `tree_figure` planned (for tests: none of them overlap)."""
     nodes = next(t for t in fig.data if t.name == "candidate (colour = joint p)")
-    x_range, y_range = fig.layout.xaxis.range, fig.layout.yaxis.range
-    margin = fig.layout.margin
-    frame = Frame(x_range=tuple(x_range), y_range=tuple(y_range),
-                  width=PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX,
-                  height=fig.layout.height - margin.t - margin.b)
+    frame = _figure_frame(fig)
     boxes = []
     for i, (x, y, label, size) in enumerate(zip(nodes.x, nodes.y, nodes.text, nodes.marker.size)):
         if label:
             boxes.append(_label_box(frame, x, y, html.unescape(label), size, left=i == 0))
     return boxes
+
+
+def bonus_edge_px(fig: go.Figure) -> list[tuple[float, float]]:
+    """The bonus edge's corners in the pixels `label_boxes` uses (for tests: it crosses no label)."""
+    edge = next(t for t in fig.data if t.name == "bonus edge")
+    frame = _figure_frame(fig)
+    return [frame.px(x, y) for x, y in zip(edge.x, edge.y)]
 
 
 def empty_figure(message: str, height: int = 300) -> go.Figure:
