@@ -49,10 +49,13 @@ SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS,
                                     idle_seconds=float(os.environ.get("MEDUSA_LAB_SESSION_IDLE_S", "1200")))
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
-# Run to end redraws the page at most this often: each redraw (the server's figures, the browser's drawing)
-# takes the cores from decoding; at every step a live run measured 1.69x the benchmark's ms a step (2-core
-# Xeon, bf16, dynamic:15). Step, Stop and the run's end always draw.
+# Run to end redraws the page at most this often, and only the run's progress (status, cards, text,
+# Revisit; no progress timer): each redraw takes the cores from decoding, and drawing the two trees cost
+# the browser's renderer ~0.4 s of CPU. The figures follow when the run stops; Step draws every step's.
+# Live in Chromium over the benchmark's ms a step (2-core Xeon, bf16, dynamic:15, same 2 cores): 1.94x with
+# every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
 RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "0.5"))
+RUNNING_OUTPUTS = ("status", "stats", "text", "step_slider")
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
 PAGE_JS = (ASSETS / "page.js").read_text(encoding="utf-8")  # light theme, Enter in Revisit, arrow-key stepping
 VIEW_OUTPUT_NAMES = VIEW_FIELDS
@@ -83,6 +86,11 @@ def render(lab: labstate.LabState | None, index: int | None = None, message: str
     outputs = _outputs(build_view(labstate.facts_of(lab, run) if run is not None else None, index, message))
     labstate.note_page_time(lab, time.perf_counter() - started)
     return outputs
+
+
+def _progress_only(outputs: tuple) -> tuple:
+    """A redraw during Run to end: the run's progress (RUNNING_OUTPUTS); the figures and tables stay."""
+    return tuple(value if name in RUNNING_OUTPUTS else gr.skip() for name, value in zip(VIEW_OUTPUT_NAMES, outputs))
 
 
 def _session_key(request: gr.Request | None) -> str:
@@ -174,16 +182,15 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
         labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)
         lab = labstate.decoding_state(SESSIONS, key)
         with lab.working():
-            drawn_at, undrawn = 0.0, None
+            drawn_at, latest = 0.0, note
             for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab),
                                                clicked_at=clicked_at):
                 SESSIONS.touch(key, lab)
-                undrawn = " ".join(m for m in (note, message) if m)
+                latest = " ".join(m for m in (note, message) if m)
                 if time.monotonic() - drawn_at >= RUN_REDRAW_S:  # a redraw competes with decoding for the cores
-                    drawn_at, shown, undrawn = time.monotonic(), undrawn, None
-                    yield render(lab, message=shown)
-            if undrawn is not None:  # the run's last state is always drawn
-                yield render(lab, message=undrawn)
+                    drawn_at = time.monotonic()
+                    yield _progress_only(render(lab, message=latest))
+            yield render(lab, message=latest)  # the run's last state, figures and all
     except Exception as error:  # noqa: BLE001
         yield _answer(request, error, _user_view(request))
 
@@ -379,9 +386,13 @@ def _wire_live(controls: dict, view: list, shown_replay: gr.State) -> None:
     for name in ("start", "step", "run", "stop", "reset", "check"):  # the page shows the live run again
         controls[name].click(_forget_replay, None, [shown_replay], api_visibility="private", queue=False)
     inputs, clicked_at = [controls["prompt"], *controls["settings"]], controls["clicked_at"]
-    decode = {"show_progress": "minimal", "concurrency_id": "decode", "preprocess": False}  # labstate checks values
+    # labstate checks the values; the progress timer shows on the status line alone (one on each of the
+    # view's outputs repainted them all ten times a second, CPU the browser took from decoding on a small machine)
+    decode = {"show_progress": "minimal", "show_progress_on": view[:1], "concurrency_id": "decode",
+              "preprocess": False}
     stamp = {"js": f"(...v) => [...v.slice(0, {len(inputs)}), Date.now()]", **decode}  # the click's time, page clock
-    run_event = controls["run"].click(on_run, [*inputs, clicked_at], view, api_name="run", **stamp)
+    run_event = controls["run"].click(on_run, [*inputs, clicked_at], view, api_name="run",
+                                      **{**stamp, "show_progress": "hidden"})  # the status line says it runs
     start_event = controls["start"].click(on_start, inputs, view, api_name="start", cancels=[run_event], **decode)
     step_event = controls["step"].click(on_step, [*inputs, clicked_at], view, api_name="step", trigger_mode="multiple",
                                         **stamp)

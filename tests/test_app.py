@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import re
 import time
 import urllib.request
 from typing import Iterator
@@ -101,6 +102,12 @@ def _call(client, api: str, prompt: str | None = None, **overrides):
     return client.predict(**overrides, api_name=f"/{api}")
 
 
+def _card(view, name: str) -> str:
+    """The value on a stats card, by its label."""
+    found = re.search(rf'<div class="v">([^<]*)</div><div class="k">{name}</div>', view[OUT["stats"]])
+    return found.group(1).strip() if found else ""
+
+
 def _plot_points(view, name: str) -> int:
     figure = json.loads(view[OUT[name]]["plot"])
     nodes = [t for t in figure["data"] if t.get("name") == "candidate (colour = joint p)"]
@@ -131,12 +138,16 @@ def test_start_step_run_matches_plain_greedy(url, plain_greedy, monkeypatch):
 
 def test_run_to_end_redraws_at_its_pace_and_always_draws_the_end(url, plain_greedy, monkeypatch):
     """Issue 46: Run to end redraws at most every RUN_REDRAW_S (each redraw takes the cores from
-    decoding); its first step and its finished state are always drawn."""
+    decoding), the run's progress alone (status, cards, text); its first step's progress and its
+    finished state, figures and all, are always drawn."""
     monkeypatch.setattr(app, "RUN_REDRAW_S", 3600.0)
     client = _client(url)
     _call(client, "start", PROMPT_B)
     final, outputs = _call(client, "run", PROMPT_B)
-    assert len(outputs) == 2 and outputs[0][OUT["summary"]]["steps"] == 1
+    assert len(outputs) == 2 and _card(outputs[0], "steps") == "1"  # the first step's progress...
+    skipped = {"__type__": "update"}  # ...and no figure or table: they are drawn when the run stops
+    assert outputs[0][OUT["tree"]] == skipped and outputs[0][OUT["summary"]] == skipped
+    assert outputs[0][OUT["tree_compare"]] == skipped and outputs[0][OUT["mask"]] == skipped
     assert final[OUT["summary"]]["finished"] and final[OUT["summary"]]["output_ids"] == plain_greedy(PROMPT_B)
 
 
