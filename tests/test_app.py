@@ -472,3 +472,12 @@ def test_the_whole_run_recorder_is_the_function_itself_off_zero_gpu(monkeypatch)
     assert not labstate.on_zero_gpu() and labstate.gpu_call(labstate.record_run) is labstate.record_run
     monkeypatch.setenv("MEDUSA_LAB_RECORD_ON_START", "1")
     assert labstate.records_on_start() and not labstate.on_zero_gpu()
+
+
+def test_the_queue_does_not_poll_every_millisecond():
+    """Issue 46: Gradio's queue looks for work every 1 ms (and for progress every 10 ms) on Linux; each
+    wake-up took a core from the decoding's two OpenMP threads on a 2-core machine (served steps 1.2x
+    a plain process's). The lab's queue polls every QUEUE_POLL_S and PROGRESS_POLL_S instead."""
+    queue = app.build_demo()._queue
+    assert queue.sleep_when_free >= app.QUEUE_POLL_S >= 0.01
+    assert queue.progress_update_sleep_when_free >= app.PROGRESS_POLL_S
