@@ -36,7 +36,7 @@ import gradio as gr
 import labstate
 from labstate import replay
 from page import header, live_controls, replay_controls, settings_event, view_panel
-from viz.view import VIEW_FIELDS, View, build_view, empty_view
+from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, StepControl, View, build_progress, build_view, empty_view
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 RESULTS = ASSETS / "results"
@@ -49,13 +49,12 @@ SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS,
                                     idle_seconds=float(os.environ.get("MEDUSA_LAB_SESSION_IDLE_S", "1200")))
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
-# Run to end redraws the page at most this often, and only the run's progress (status, cards, text,
-# Revisit; no progress timer): each redraw takes the cores from decoding, and drawing the two trees cost
-# the browser's renderer ~0.4 s of CPU. The figures follow when the run stops; Step draws every step's.
+# Run to end redraws the page at most this often, and only the run's progress (`viz.view.Progress`: status,
+# cards, text, Revisit; no progress timer): each redraw takes the cores from decoding, and drawing the two
+# trees cost the browser's renderer ~0.4 s of CPU. The figures follow when the run stops; Step draws every step's.
 # Live in Chromium over the benchmark's ms a step (2-core Xeon, bf16, dynamic:15, same 2 cores): 1.94x with
 # every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
 RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "0.5"))
-RUNNING_OUTPUTS = ("status", "stats", "text", "step_slider")
 QUEUE_POLL_S = float(os.environ.get("MEDUSA_LAB_QUEUE_POLL_S", "0.02"))  # see _quiet_queue
 PROGRESS_POLL_S = 0.1
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
@@ -68,16 +67,20 @@ log = logging.getLogger("medusa_lab")
 def _outputs(view: View) -> tuple:
     """A View as the page's outputs, in VIEW_OUTPUT_NAMES order (the step control becomes a slider)."""
     values = {name: getattr(view, name) for name in VIEW_FIELDS}
-    control = view.step_slider
-    values["step_slider"] = gr.Slider(
-        minimum=1, maximum=max(control.count, 2), value=control.value, interactive=control.count > 1,
-        visible=control.count > 1,  # nothing to revisit before a second step (no "1 … 2" on an empty page)
-        label=f"Revisit a step (1 … {control.count}): drag, or type a number and press Enter" if control.count
-        else "Revisit a step (after the first step)")
+    values["step_slider"] = _revisit_slider(view.step_slider)
     values["notice"] = gr.Markdown(view.notice, visible=bool(view.notice))  # no empty box beside a live tree
     values["tree_rival"] = gr.Plot(view.tree_rival, visible=view.tree_rival is not None)
     values["recording"] = gr.Markdown(view.recording, visible=bool(view.recording))  # in place of the live controls
     return tuple(values[name] for name in VIEW_FIELDS)
+
+
+def _revisit_slider(control: StepControl) -> gr.Slider:
+    """The "Revisit a step" control as the page's slider."""
+    return gr.Slider(
+        minimum=1, maximum=max(control.count, 2), value=control.value, interactive=control.count > 1,
+        visible=control.count > 1,  # nothing to revisit before a second step (no "1 … 2" on an empty page)
+        label=f"Revisit a step (1 … {control.count}): drag, or type a number and press Enter" if control.count
+        else "Revisit a step (after the first step)")
 
 
 def render(lab: labstate.LabState | None, index: int | None = None, message: str = "") -> tuple:
@@ -90,9 +93,16 @@ def render(lab: labstate.LabState | None, index: int | None = None, message: str
     return outputs
 
 
-def _progress_only(outputs: tuple) -> tuple:
-    """A redraw during Run to end: the run's progress (RUNNING_OUTPUTS); the figures and tables stay."""
-    return tuple(value if name in RUNNING_OUTPUTS else gr.skip() for name, value in zip(VIEW_OUTPUT_NAMES, outputs))
+def render_progress(lab: labstate.LabState, message: str = "") -> tuple:
+    """A redraw while the user's run is running: its progress alone, built without its figures (the
+    other outputs stay as they are); timed as the page's overhead like `render`."""
+    started = time.perf_counter()
+    progress = build_progress(labstate.facts_of(lab, lab.run), message)
+    values = {name: getattr(progress, name) for name in PROGRESS_FIELDS}
+    values["step_slider"] = _revisit_slider(progress.step_slider)
+    outputs = tuple(values.get(name, gr.skip()) for name in VIEW_OUTPUT_NAMES)
+    labstate.note_page_time(lab, time.perf_counter() - started)
+    return outputs
 
 
 def _session_key(request: gr.Request | None) -> str:
@@ -191,7 +201,7 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
                 latest = " ".join(m for m in (note, message) if m)
                 if time.monotonic() - drawn_at >= RUN_REDRAW_S:  # a redraw competes with decoding for the cores
                     drawn_at = time.monotonic()
-                    yield _progress_only(render(lab, message=latest))
+                    yield render_progress(lab, message=latest)
             yield render(lab, message=latest)  # the run's last state, figures and all
     except Exception as error:  # noqa: BLE001
         yield _answer(request, error, _user_view(request))

@@ -37,12 +37,16 @@
     const selected = body.querySelector('.tok.sel');
     body.scrollTop = selected ? selected.offsetTop - body.offsetTop - body.clientHeight / 2 : body.scrollHeight;
   };
-  const textChanged = (records) => records.some((r) => r.target instanceof Element && r.target.closest('#gen-text'));
-  let following = false;  // one layout read a frame, however many mutations a redraw makes
-  const followSoon = () => {
-    if (following) { return; }
-    following = true;
-    requestAnimationFrame(() => { following = false; followText(); });
+  // DOM changes inside `selector`, and `fn` run once in the next frame however often it is asked for (one
+  // layout read a frame, however many mutations a redraw makes)
+  const touches = (records, selector) => records.some((r) => r.target instanceof Element && r.target.closest(selector));
+  const oncePerFrame = (fn) => {
+    let queued = false;
+    return () => {
+      if (queued) { return; }
+      queued = true;
+      requestAnimationFrame(() => { queued = false; fn(); });
+    };
   };
   // a newly drawn tree whose top is in the window but whose bottom is not: the page scrolls just enough to
   // show it whole (keeping its top in view), so a Step shows its tree without the user scrolling; a user
@@ -54,17 +58,11 @@
     const below = box.bottom - window.innerHeight + 4;
     if (box.top >= 0 && below > 0) { window.scrollBy({ top: Math.min(box.top, below), behavior: 'instant' }); }
   };
-  const treeDrawn = (records) => records.some((r) => r.target instanceof Element && r.target.closest('#tree-plot'));
-  let placing = false;
-  const placeSoon = () => {
-    if (placing) { return; }
-    placing = true;
-    requestAnimationFrame(() => { placing = false; treeIntoView(); });
-  };
+  const followSoon = oncePerFrame(followText), placeSoon = oncePerFrame(treeIntoView);
   new MutationObserver((records) => {
     purgeRemoved(records);
-    if (textChanged(records)) { followSoon(); }
-    if (treeDrawn(records)) { placeSoon(); }
+    if (touches(records, '#gen-text')) { followSoon(); }
+    if (touches(records, '#tree-plot')) { placeSoon(); }
   }).observe(document.body, { childList: true, subtree: true });
   // a typed value outside a slider's range: Gradio clamps it on blur without a word, so the page says so
   // under the slider (read in the capture phase, before the clamp), and drops the note once in range

@@ -16,7 +16,7 @@ from labstate.runs import decode_config
 from labstate.shared import Runtime
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
 from viz.trace import load_trace
-from viz.view import build_view
+from viz.view import PROGRESS_FIELDS, build_progress, build_view
 
 PROMPT = "abcabcabcabc, and then?"
 
@@ -177,6 +177,8 @@ def test_start_step_run_stop_reset_on_a_tiny_model(tiny_runtime):
         labstate.step_once(lab, PROMPT, settings)
     facts = labstate.facts_of(lab, lab.run)
     assert build_view(facts).summary["output_ids"] == lab.run.session.output_ids
+    whole, progress = build_view(facts, message="running"), build_progress(facts, message="running")
+    assert all(getattr(progress, name) == getattr(whole, name) for name in PROGRESS_FIELDS)  # the same, unfigured
     assert load_trace(labstate.run_trace(lab)).facts.output_ids == facts.output_ids
     assert labstate.stop(lab).startswith("Stopped") and lab.run.mode == labstate.STOPPED
     labstate.reset(lab)

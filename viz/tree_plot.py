@@ -36,6 +36,7 @@ COLOURBAR_PX = 90  # the colour bar and its tick labels
 COLOURBAR_LEN_PX = 170
 LEGEND_GAP_PX = 32  # legend starts this far below the plot area (under the tick labels)
 LEFT_COLUMNS, RIGHT_COLUMNS = 1.0, 1.2  # x-axis room left of the root and right of the bonus
+PLOT_AREA_WIDTH_PX = PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX  # the nodes' area, labels planned for it
 
 
 @dataclass(frozen=True)
@@ -235,9 +236,8 @@ def _row_px(rows: int, margin_top: float) -> float:
 
 
 def _frame(layout: TreeLayout, bonus_x: float, plot_height: float, top: float) -> Frame:
-    width = PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX
     return Frame(x_range=(-LEFT_COLUMNS, bonus_x + RIGHT_COLUMNS), y_range=(layout.rows - 0.4, top),
-                 width=width, height=plot_height)
+                 width=PLOT_AREA_WIDTH_PX, height=plot_height)
 
 
 def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: TokenBytes | None = None,
@@ -355,7 +355,7 @@ def _scatter(**properties: object) -> dict:
 def _figure_frame(fig: go.Figure) -> Frame:
     margin = fig.layout.margin
     return Frame(x_range=tuple(fig.layout.xaxis.range), y_range=tuple(fig.layout.yaxis.range),
-                 width=PLOT_WIDTH_PX - 2 * MARGIN_SIDE - COLOURBAR_PX, height=fig.layout.height - margin.t - margin.b)
+                 width=PLOT_AREA_WIDTH_PX, height=fig.layout.height - margin.t - margin.b)
 
 
 def label_boxes(fig: go.Figure) -> list[Box]:

@@ -58,6 +58,19 @@ class View:
 VIEW_FIELDS = tuple(f.name for f in fields(View))
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What a redraw sends while a run is running: its progress, none of its figures or tables."""
+
+    status: str
+    stats: str
+    text: str
+    step_slider: StepControl
+
+
+PROGRESS_FIELDS = tuple(f.name for f in fields(Progress))
+
+
 def empty_view(message: str = START_HINT, hint: str = "Type a prompt and press Start or Step.") -> View:
     """The page before any run (or after Reset)."""
     blank = empty_figure(hint)
@@ -87,6 +100,17 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
         cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
                                                                                    facts.token_bytes),
         tree_rival=_rival(facts, record), notice=_notice(facts, index), recording=recording_settings(facts))
+
+
+def build_progress(facts: RunFacts, message: str = "") -> Progress:
+    """The run's progress at its latest step (the status line, the cards, the text, Revisit), built
+    without the step's figures: a redraw while the run is running."""
+    if not facts.records:
+        view = build_view(facts, None, message)
+        return Progress(status=view.status, stats=view.stats, text=view.text, step_slider=view.step_slider)
+    count = len(facts.records)
+    return Progress(status=_status(facts, message, count - 1), stats=_stats(facts), text=_text(facts, count - 1),
+                    step_slider=StepControl(count, count))
 
 
 def _tree(facts: RunFacts, record: StepRecord, note: str) -> Any:
