@@ -35,8 +35,8 @@ from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import PhaseTimes, StepRecord, TreeOutcome
 from core.strategy import (AUTOREGRESSIVE, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DEFAULT_NEW_TOKENS, DEFAULT_TOP_M,
-                           DYNAMIC, HF, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS,
-                           MAX_DEPTH, MAX_NEW_TOKENS, MAX_TOP_M, STORE_TOKENS, STRATEGIES, StrategyError, StrategySpec,
+                           DYNAMIC, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH,
+                           MAX_NEW_TOKENS, MAX_TOP_M, PEERS, STORE_TOKENS, STRATEGIES, StrategyError, StrategySpec,
                            check_int, parse_strategy)
 from core.sampling import next_token
 from core.tree import CandidateTree, fixed_tree, named_tree
@@ -113,9 +113,9 @@ class DecodeConfig:
 
 def strategy_config(spec: StrategySpec, base_config: DecodeConfig | None = None) -> DecodeConfig:
     """`base_config` decoding the way `spec` says. The spec's forward (`@lean` / `@hf`) is the
-    caller's to apply; `hf:*` peers are not ours to decode."""
-    if spec.family == HF:
-        raise StrategyError(f"{spec.text} runs transformers' generate, not a DecodeConfig")
+    caller's to apply; peers (`hf:*`, `llamacpp:greedy`) are not ours to decode."""
+    if spec.family in PEERS:
+        raise StrategyError(f"{spec.text} runs another program's decoding, not a DecodeConfig")
     return replace(base_config if base_config is not None else DecodeConfig(), spec=spec)
 
 

@@ -24,9 +24,11 @@ from core.families import AUTOREGRESSIVE, DYNAMIC, EAGLE, FAMILIES, FIXED, HYDRA
 # decoding families (the values StepRecord.strategy and DecodeConfig.strategy take): core.families
 LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (a step kind, not a family)
 HF = "hf"  # transformers' generate as a peer (benchmark only)
+LLAMACPP = "llamacpp"  # llama.cpp's plain decoding of the same GGUF as a peer (benchmark only, optional)
 STRATEGIES = tuple(FAMILIES)
 TREE_STRATEGIES = tuple(name for name, entry in FAMILIES.items() if entry.sized)  # chains and the adaptive budget
 HF_PEERS = ("greedy", "prompt_lookup")
+PEERS = {HF: HF_PEERS, LLAMACPP: ("greedy",)}  # peer family -> its runs: other programs' decoding, timed beside ours
 ENGINES = ("exact", "lean", "hf")
 ADDITIONS = ("lookup", "store")
 
@@ -49,7 +51,7 @@ LOOKUP_TOKENS = 10  # the chain `+lookup` adds (transformers' prompt_lookup_num_
 STORE_TOKENS = 8  # the length of each branch `+store` adds
 
 GRAMMAR = ("ar, fixed[:<tree>], " + ", ".join(f"{name}[:<n>|auto][+lookup][+store]" for name in TREE_STRATEGIES)
-           + ", hf:greedy, hf:prompt_lookup, each optionally @exact, @lean or @hf")
+           + ", hf:greedy, hf:prompt_lookup, llamacpp:greedy, each optionally @exact, @lean or @hf")
 
 
 def check_int(name: str, value: object, low: int, high: int) -> None:
@@ -75,11 +77,11 @@ class StrategySpec:
     lookup: bool = False
     store: bool = False
     tree: str = ""  # fixed: a tree name or a JSON file of rank paths ("" = the default tree)
-    peer: str = ""  # hf: greedy or prompt_lookup
+    peer: str = ""  # a peer family's run (PEERS): hf:greedy, hf:prompt_lookup, llamacpp:greedy
     engine: str | None = None  # exact, lean or hf (None: the run's default forward)
 
     def __post_init__(self) -> None:
-        if self.family not in STRATEGIES + (HF,):
+        if self.family not in STRATEGIES + tuple(PEERS):
             raise StrategyError(f"unknown strategy family {self.family!r}: use {GRAMMAR}")
         grown = self.family in TREE_STRATEGIES
         if (self.auto or self.lookup or self.store or self.budget is not None) and not grown:
@@ -90,8 +92,11 @@ class StrategySpec:
             raise StrategyError(f"the node budget must be a whole number from 1 to {MAX_BUDGET}, got {self.budget!r}")
         if self.tree and self.family != FIXED:
             raise StrategyError("only the fixed strategy names a tree")
-        if (self.family == HF) != bool(self.peer) or (self.peer and self.peer not in HF_PEERS):
-            raise StrategyError(f"transformers' peers are hf:{' and hf:'.join(HF_PEERS)}")
+        if (self.family in PEERS) != bool(self.peer) or (self.peer and self.peer not in PEERS[self.family]):
+            raise StrategyError("the peers are " + ", ".join(f"{family}:{run}" for family, runs in PEERS.items()
+                                                            for run in runs))
+        if self.family == LLAMACPP and self.engine is not None:
+            raise StrategyError("llamacpp:greedy runs llama.cpp's own forward: it takes no @forward")
         if self.engine is not None and self.engine not in ENGINES:
             raise StrategyError(f"unknown forward @{self.engine}: use @exact, @lean or @hf")
 
@@ -100,8 +105,8 @@ class StrategySpec:
         """The canonical spelling (`parse_strategy(spec.text) == spec`)."""
         if self.family == AUTOREGRESSIVE:
             body = "ar"
-        elif self.family == HF:
-            body = f"hf:{self.peer}"
+        elif self.family in PEERS:
+            body = f"{self.family}:{self.peer}"
         elif self.family == FIXED:
             body = f"fixed:{self.tree}" if self.tree else FIXED
         else:
@@ -120,6 +125,8 @@ class StrategySpec:
             name = "autoregressive"
         elif self.family == HF:
             name = f"transformers' generate ({self.peer.replace('_', ' ')})"
+        elif self.family == LLAMACPP:
+            name = "llama.cpp's greedy decoding of the same GGUF"
         elif self.family == FIXED:
             name = f"fixed ({self.tree})" if self.tree else "fixed"
         else:
@@ -174,8 +181,8 @@ def parse_strategy(text: object) -> StrategySpec:
         raise StrategyError(f"{spec_text!r}: only {', '.join(TREE_STRATEGIES)} take +lookup or +store")
     if family in ("ar", AUTOREGRESSIVE) and not arg:
         return StrategySpec(family=AUTOREGRESSIVE, engine=engine)
-    if family == HF:
-        return StrategySpec(family=HF, peer=arg, engine=engine)
+    if family in PEERS:
+        return StrategySpec(family=family, peer=arg, engine=engine)
     if family == FIXED:
         return StrategySpec(family=FIXED, tree=arg, engine=engine)
     if family in TREE_STRATEGIES:

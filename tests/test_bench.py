@@ -190,3 +190,51 @@ def test_repeats_keep_the_median_run_and_every_time():
     assert [len(r.repeat_seconds) for r in thrice] == [3, 3]
     assert [r.output_ids for r in thrice] == [r.output_ids for r in once]
     assert all(round(r.seconds, 4) in r.repeat_seconds for r in thrice)
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: yields a scripted token stream, remembering what it was given."""
+
+    def __init__(self, stream: list[int]) -> None:
+        self.stream, self.calls = stream, []
+
+    def generate(self, tokens, **sampling):
+        self.calls.append((list(tokens), sampling))
+        yield from self.stream
+
+
+def test_the_llama_cpp_peer_decodes_greedily_and_stops_as_our_decoder_does():
+    """Greedy sampling settings (top-1, no penalty), the end token kept and the run stopped there,
+    or stopped at the token limit; its row sits beside `ar` in one benchmark with its prefill apart."""
+    from pathlib import Path
+    from core.decoder import DecodeConfig
+    from offline.bench import HeadSet, Prompt, benchmark
+    from offline.llamacpp import LlamaCppPeer
+    from tests.tiny import tiny_base, tiny_heads
+
+    fake = FakeLlama([5, 6, 7, 2, 9, 9])
+    peer = LlamaCppPeer(model=fake, threads=2, gguf=Path("model.gguf"))
+    run = peer.decode([1, 4], max_new_tokens=10, eos_token_ids=frozenset({2}))
+    assert run.output_ids == [5, 6, 7, 2] and 0 <= run.prefill_seconds <= run.seconds
+    assert fake.calls[0][0] == [1, 4]
+    sampling = fake.calls[0][1]
+    assert (sampling["top_k"], sampling["temp"], sampling["repeat_penalty"]) == (1, 0.0, 1.0)
+    assert peer.decode([1], max_new_tokens=2, eos_token_ids=frozenset()).output_ids == [5, 6]
+
+    base = tiny_base("llama")
+    rows = benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hello there")],
+                     ["ar", "llamacpp:greedy"], DecodeConfig(max_new_tokens=3), llama=peer)
+    row = next(r for r in rows if r.strategy == "llamacpp:greedy")
+    assert row.output_ids == [5, 6, 7] and "prefill" in row.phase_seconds and row.identical_to_ar is not None
+    with pytest.raises(ValueError, match="llama.cpp peer"):
+        benchmark(base, HeadSet(medusa=tiny_heads(base)), [Prompt(id="p", text="hi")], ["llamacpp:greedy"],
+                  DecodeConfig(max_new_tokens=3))
+
+
+def test_the_llama_cpp_peer_says_how_to_install_it(monkeypatch):
+    import sys
+    from pathlib import Path
+    from offline.llamacpp import LlamaCppPeer
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ImportError, match="pip install llama-cpp-python"):
+        LlamaCppPeer.load(Path("model.gguf"))

@@ -6,8 +6,8 @@ import pytest
 
 import labstate
 from core.decoder import DecodeConfig, strategy_config
-from core.strategy import (AUTOREGRESSIVE, DYNAMIC, FIXED, HF, HYDRA, LOOKUP_TOKENS, MAX_BUDGET, STORE_TOKENS,
-                           StrategyError, StrategySpec, parse_strategy)
+from core.strategy import (AUTOREGRESSIVE, DYNAMIC, FIXED, HF, HYDRA, LLAMACPP, LOOKUP_TOKENS, MAX_BUDGET,
+                           STORE_TOKENS, StrategyError, StrategySpec, parse_strategy)
 from offline.bench import parse_strategy as bench_config
 from offline.simulate import parse_tree_spec
 
@@ -71,9 +71,20 @@ def test_decode_configs_follow_the_spec():
     assert (config.strategy, config.budget, config.auto_budget) == (HYDRA, 40, False)
     assert (config.lookup_tokens, config.store_tokens) == (LOOKUP_TOKENS, STORE_TOKENS)
     assert strategy_config(parse_strategy("fixed:calibrated")).fixed_tree == "calibrated"
-    with pytest.raises(StrategyError, match="generate"):
+    with pytest.raises(StrategyError, match="another program"):
         strategy_config(parse_strategy("hf:greedy"))
     assert parse_strategy("hf:greedy").family == HF
+
+
+def test_llama_cpp_is_a_peer_without_a_forward_of_ours():
+    spec = parse_strategy("llamacpp:greedy")
+    assert (spec.family, spec.peer, spec.text, spec.drafts) == (LLAMACPP, "greedy", "llamacpp:greedy", False)
+    assert "llama.cpp" in spec.label
+    with pytest.raises(StrategyError, match="another program"):
+        strategy_config(spec)
+    for text in ("llamacpp", "llamacpp:prompt_lookup", "llamacpp:greedy@exact", "hf:llamacpp"):
+        with pytest.raises(StrategyError):
+            parse_strategy(text)
 
 
 def test_labels_name_the_budget_and_the_forward():

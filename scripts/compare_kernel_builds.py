@@ -1,0 +1,67 @@
+"""Two versions of the exact kernels' source, side by side: bitwise the same products, and how long.
+
+Builds each source (under /tmp/kernel_builds/<name>, the flags of core.engine.build), asserts that
+every weight format gives bitwise the same product from both for every row count, and prints the
+ms of the shipped model's 30 layers of products (random weights, median of 5) per format and row
+count, old/new. Run it alone (it times):
+
+    git show HEAD:core/engine/kernels/exact.cpp > /tmp/old.cpp
+    PYTHONPATH=. .venv/bin/python scripts/compare_kernel_builds.py /tmp/old.cpp core/engine/kernels/exact.cpp \
+        [--rows 1,2,4,8,16,32,64]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from core.engine.build import CFLAGS, LDFLAGS
+from core.engine.exact import BF16, F32, Q4_1, Q8_0, random_weight
+from core.engine.lean import median_ms
+from core.model import PLAIN_STEP_SHAPES
+
+LAYERS = 30  # the shipped model's
+FORMATS = {"fp32": F32, "bf16": BF16, "q4_1": Q4_1, "q8_0": Q8_0}
+
+
+def build(source: Path, name: str) -> ModuleType:
+    from torch.utils import cpp_extension
+    folder = Path("/tmp/kernel_builds") / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS),
+                              extra_ldflags=list(LDFLAGS), build_directory=str(folder), verbose=False)
+
+
+def compare(modules: list[ModuleType], rows: list[int]) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for name, fmt in FORMATS.items():
+        weights = [[random_weight(module, fmt, out, width, torch.Generator().manual_seed(k))
+                    for k, (out, width) in enumerate(PLAIN_STEP_SHAPES * LAYERS)] for module in modules]
+        cells = []
+        for count in rows:
+            inputs = {width: torch.randn(count, width, generator=generator) for _, width in PLAIN_STEP_SHAPES}
+            for old, new in zip(weights[0][:len(PLAIN_STEP_SHAPES)], weights[-1][:len(PLAIN_STEP_SHAPES)]):
+                x = inputs[old.in_features]
+                assert torch.equal(modules[0].matmul(x, old), modules[-1].matmul(x, new)), (name, count)
+            times = [median_ms(lambda: [module.matmul(inputs[w.in_features], w) for w in layer_weights], 5)
+                     for module, layer_weights in zip(modules, weights)]
+            cells.append(f"{count}: " + " / ".join(f"{ms:.1f}" for ms in times))
+        print(f"{name:5} " + "   ".join(cells), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    args = parser.parse_args()
+    modules = [build(args.old, "compare_old"), build(args.new, "compare_new")]
+    print(f"ISA {modules[0].ISA} / {modules[1].ISA}, {torch.get_num_threads()} threads; ms of {LAYERS} layers' "
+          "products, old / new (bitwise equal: asserted)")
+    compare(modules, [int(r) for r in args.rows.split(",")])
+
+
+if __name__ == "__main__":
+    main()
