@@ -3,11 +3,12 @@
 Builds each source (under /tmp/kernel_builds/<name>, the flags of core.engine.build), asserts that
 every weight format gives bitwise the same product from both for every row count, and prints the
 ms of the shipped model's 30 layers of products (random weights, median of 5) per format and row
-count, old/new. Run it alone (it times):
+count, old/new; with --forward, the same for the shipped model's whole forward and logits (gguf and
+fp32; 1, 16 and 64 new rows under a random tree mask over a 150-token cache). Run it alone (it times):
 
     git show HEAD:core/engine/kernels/exact.cpp > /tmp/old.cpp
     PYTHONPATH=. .venv/bin/python scripts/compare_kernel_builds.py /tmp/old.cpp core/engine/kernels/exact.cpp \
-        [--rows 1,2,4,8,16,32,64]
+        [--rows 1,2,4,8,16,32,64] [--forward]
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from core.engine.build import CFLAGS, LDFLAGS
 from core.engine.exact import BF16, F32, Q4_1, Q8_0, random_weight
 from core.engine.lean import median_ms
-from core.model import PLAIN_STEP_SHAPES
+from core.model import PLAIN_STEP_SHAPES, ModelConfig, gguf_location, load_base_model
 
 LAYERS = 30  # the shipped model's
 FORMATS = {"fp32": F32, "bf16": BF16, "q4_1": Q4_1, "q8_0": Q8_0}
@@ -51,16 +52,49 @@ def compare(modules: list[ModuleType], rows: list[int]) -> None:
         print(f"{name:5} " + "   ".join(cells), flush=True)
 
 
+def compare_forwards(modules: list[ModuleType], context: int = 150) -> None:
+    from core.engine.exact import ExactLlama
+    location = gguf_location()
+    for mode in ("gguf", "fp32"):
+        base = load_base_model(ModelConfig(dtype=mode))
+        gguf = location[0] / location[1] if mode == "gguf" and location else None
+        engines = [ExactLlama(base.engine.lean, module, mode, gguf) for module in modules]
+        caches = [engine.new_cache() for engine in engines]
+        prompt = torch.arange(1000, 1000 + context)
+        prefills = [engine.forward(prompt, torch.arange(context), cache) for engine, cache in zip(engines, caches)]
+        assert torch.equal(prefills[0], prefills[1]), (mode, "prefill")
+        cells = []
+        for count in (1, 16, 64):
+            generator = torch.Generator().manual_seed(count)
+            mask = torch.ones(count, count, dtype=torch.bool).tril_() & (torch.rand(count, count, generator=generator) < .7)
+            mask |= torch.eye(count, dtype=torch.bool)  # [n, n] a random tree-like mask, each row sees itself
+            tokens = torch.randint(100, 40000, (count,), generator=generator)
+            results, times = [], []
+            for engine, cache in zip(engines, caches):
+                def forward(engine=engine, cache=cache) -> torch.Tensor:
+                    cache.crop(context)
+                    return engine.forward(tokens, torch.arange(context, context + count), cache, tree_mask=mask)
+                hidden = forward()
+                results.append((hidden, engine.project(hidden)))
+                times.append(median_ms(forward, 7))
+            assert all(torch.equal(a, b) for a, b in zip(*results)), (mode, count)
+            cells.append(f"{count} rows {times[0]:.1f} / {times[1]:.1f}")
+        print(f"{mode} forward, ms old / new (hidden states and logits bitwise equal): " + ", ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--forward", action="store_true", help="also the shipped model's forward, old / new")
     args = parser.parse_args()
     modules = [build(args.old, "compare_old"), build(args.new, "compare_new")]
     print(f"ISA {modules[0].ISA} / {modules[1].ISA}, {torch.get_num_threads()} threads; ms of {LAYERS} layers' "
           "products, old / new (bitwise equal: asserted)")
     compare(modules, [int(r) for r in args.rows.split(",")])
+    if args.forward:
+        compare_forwards(modules)
 
 
 if __name__ == "__main__":

@@ -518,18 +518,80 @@ struct Layer {
   Weight qkv, out, gate_up, down;
 };
 
+// Attention's two sums, each lane's fused multiply-adds in the order of a plain 16-lane loop, but
+// several keys (scores) or value chunks (outputs) in flight at once, in registers: independent
+// chains the CPU overlaps, where one chain at a time waited on each FMA's latency.
+constexpr int KEYS_AT_ONCE = 4, CHUNKS_AT_ONCE = 4;
+
+// scores[j] = dot(q, key[j]) * scale over d: lane l sums i = l, l + 16, ... then the fixed tree
+template <int J>
+inline void key_dots(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
+#if defined(HALF_LANES)
+  v8f low[J], high[J];
+  for (int j = 0; j < J; ++j) low[j] = high[j] = v8f{};
+  for (int64_t i = 0; i < d; i += LANES) {
+    const v8f q_low = vload8(q + i), q_high = vload8(q + i + 8);
+    for (int j = 0; j < J; ++j) {
+      low[j] = vfma8(q_low, vload8(key[j] + i), low[j]);
+      high[j] = vfma8(q_high, vload8(key[j] + i + 8), high[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j) scores[j] = hsum_halves(low[j], high[j]) * scale;
+#else
+  v16f acc[J];
+  for (int j = 0; j < J; ++j) acc[j] = v16f{};
+  for (int64_t i = 0; i < d; i += LANES) {
+    const v16f qv = vload(q + i);
+    for (int j = 0; j < J; ++j) acc[j] = vfma(qv, vload(key[j] + i), acc[j]);
+  }
+  for (int j = 0; j < J; ++j) scores[j] = hsum(acc[j]) * scale;
+#endif
+}
+
+// out[first, first + 16C) = sum over t of weight[t] * value(t)[...] (t ascending), times inverse
+template <int C, typename ValueAt>
+inline void weighted_values(const float* weight, int64_t total, const ValueAt& value_at, int64_t first, float inverse,
+                            float* out) {
+#if defined(HALF_LANES)
+  v8f acc[2 * C];
+  for (int c = 0; c < 2 * C; ++c) acc[c] = v8f{};
+  for (int64_t t = 0; t < total; ++t) {
+    const float* value = value_at(t) + first;
+    const v8f w = (v8f)_mm256_set1_ps(weight[t]);  // a broadcast (0 + x would turn -0 into +0)
+    for (int c = 0; c < 2 * C; ++c) acc[c] = vfma8(w, vload8(value + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < 2 * C; ++c) {
+    const v8f scaled = acc[c] * inverse;
+    std::memcpy(out + first + 8 * c, &scaled, sizeof scaled);
+  }
+#else
+  v16f acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = v16f{};
+  for (int64_t t = 0; t < total; ++t) {
+    const float* value = value_at(t) + first;
+    const v16f w = vset(weight[t]);
+    for (int c = 0; c < C; ++c) acc[c] = vfma(w, vload(value + c * LANES), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) vstore(out + first + c * LANES, acc[c] * inverse);
+#endif
+}
+
 // one query row and head over the keys it sees: rows [0, past) of the cache, then the new rows
 // `seen` (position order). scores -> max -> exp -> sum -> weighted values, each in one fixed order.
 void attend_one(const float* q, const float* keys, const float* values, int64_t past, const int64_t* seen,
                 int64_t seen_count, int64_t d, float scale, float* out, std::vector<float>& scores) {
   const int64_t total = past + seen_count, padded = (total + LANES - 1) / LANES * LANES;
   scores.resize(padded);
-  for (int64_t t = 0; t < total; ++t) {
-    const int64_t row = t < past ? t : past + seen[t - past];
-    const float* key = keys + row * d;
-    v16f acc{};
-    for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(q + i), vload(key + i), acc);
-    scores[t] = hsum(acc) * scale;
+  auto key_at = [&](int64_t t) { return keys + (t < past ? t : past + seen[t - past]) * d; };
+  int64_t t = 0;
+  for (; t + KEYS_AT_ONCE <= total; t += KEYS_AT_ONCE) {
+    const float* some[KEYS_AT_ONCE];
+    for (int j = 0; j < KEYS_AT_ONCE; ++j) some[j] = key_at(t + j);
+    key_dots<KEYS_AT_ONCE>(q, some, d, scale, &scores[t]);
+  }
+  for (; t < total; ++t) {
+    const float* one[1] = {key_at(t)};
+    key_dots<1>(q, one, d, scale, &scores[t]);
   }
   for (int64_t t = total; t < padded; ++t) scores[t] = -INFINITY;
   v16f top = vset(-INFINITY);
@@ -544,16 +606,12 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
     sum = sum + p;
   }
   const float inverse = 1.0f / hsum(sum);
-  v16f acc[32];
   const int64_t chunks = d / LANES;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = v16f{};
-  for (int64_t t = 0; t < total; ++t) {
-    const int64_t row = t < past ? t : past + seen[t - past];
-    const float* value = values + row * d;
-    const v16f weight = vset(scores[t]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = vfma(weight, vload(value + c * LANES), acc[c]);
-  }
-  for (int64_t c = 0; c < chunks; ++c) vstore(out + c * LANES, acc[c] * inverse);
+  auto value_at = [&](int64_t t) { return values + (t < past ? t : past + seen[t - past]) * d; };
+  int64_t c = 0;
+  for (; c + CHUNKS_AT_ONCE <= chunks; c += CHUNKS_AT_ONCE)
+    weighted_values<CHUNKS_AT_ONCE>(scores.data(), total, value_at, c * LANES, inverse, out);
+  for (; c < chunks; ++c) weighted_values<1>(scores.data(), total, value_at, c * LANES, inverse, out);
 }
 
 class Model {
