@@ -60,6 +60,9 @@ class LlamaCppPeer:
         """Greedy decoding of `prompt_ids` (argmax at every step, no penalty) until an end token
         (kept, as our decoder keeps it) or `max_new_tokens`."""
         output: list[int] = []
+        # llama-cpp-python keeps the cache of the last prompt and skips its common prefix: ours
+        # starts every prompt from an empty cache, and so must the peer
+        self.model.reset()
         started = time.perf_counter()
         first = started
         tokens = self.model.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,

@@ -196,7 +196,10 @@ class FakeLlama:
     """Stands in for llama_cpp.Llama: yields a scripted token stream, remembering what it was given."""
 
     def __init__(self, stream: list[int]) -> None:
-        self.stream, self.calls = stream, []
+        self.stream, self.calls, self.resets = stream, [], 0
+
+    def reset(self) -> None:
+        self.resets += 1
 
     def generate(self, tokens, **sampling):
         self.calls.append((list(tokens), sampling))
@@ -216,7 +219,7 @@ def test_the_llama_cpp_peer_decodes_greedily_and_stops_as_our_decoder_does():
     peer = LlamaCppPeer(model=fake, threads=2, gguf=Path("model.gguf"))
     run = peer.decode([1, 4], max_new_tokens=10, eos_token_ids=frozenset({2}))
     assert run.output_ids == [5, 6, 7, 2] and 0 <= run.prefill_seconds <= run.seconds
-    assert fake.calls[0][0] == [1, 4]
+    assert fake.calls[0][0] == [1, 4] and fake.resets == 1  # no prompt cache carried over from a previous run
     sampling = fake.calls[0][1]
     assert (sampling["top_k"], sampling["temp"], sampling["repeat_penalty"]) == (1, 0.0, 1.0)
     assert peer.decode([1], max_new_tokens=2, eos_token_ids=frozenset()).output_ids == [5, 6]
