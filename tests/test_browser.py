@@ -272,7 +272,10 @@ def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
     for _ in range(2):
         page.locator("#step-btn").click()  # queued behind the run: Stop must drop these too
     page.locator("#stop-btn").click()
-    page.wait_for_function("() => document.querySelector('#stats').textContent.includes('stopped after step')",
+    # Stop's own answer (drawn once the step in flight has ended), not the run loop's last redraw,
+    # which can already say "stopped" while that step is still running
+    page.wait_for_function("() => document.querySelector('#stats').textContent.includes('stopped after step')"
+                           " && (document.querySelector('#status') || {}).textContent?.includes('Stopped.')",
                            timeout=UI_TIMEOUT_MS)
     stopped = _steps(page)
     page.wait_for_timeout(4000)
