@@ -39,7 +39,6 @@ constexpr int LANES = 16;
 
 // Tiles: R rows x C columns of accumulators, sized to the vector registers so none spills.
 #if defined(__AVX512F__)
-#define TILE_ROWS_MAX 6
 constexpr int TILE_ROWS = 6;  // 6 x 4 accumulators in 32 zmm registers
 constexpr int tile_cols(int) { return 4; }
 constexpr int direct_cols(int) { return 4; }
@@ -48,7 +47,6 @@ constexpr int64_t DIRECT_ROWS = 4;  // up to this many rows, bf16 / quantised we
 constexpr const char* ISA = "avx512";
 #elif defined(__FMA__)
 // AVX2 has 16 ymm registers and a v16f takes two, so the products run on 8-lane halves (HALF_LANES)
-#define TILE_ROWS_MAX 4
 #define HALF_LANES 1
 constexpr int TILE_ROWS = 4;  // 4 x 3 half accumulators and 3 weight halves: 15 of 16 registers
 constexpr int tile_cols(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 3; }
@@ -61,7 +59,6 @@ constexpr int64_t DIRECT_GROUP = 4;
 constexpr int64_t DIRECT_ROWS = INT64_MAX;
 constexpr const char* ISA = "avx2+fma";
 #else
-#define TILE_ROWS_MAX 2
 constexpr int TILE_ROWS = 2;
 constexpr int tile_cols(int) { return 2; }
 constexpr int direct_cols(int) { return 2; }
@@ -115,20 +112,9 @@ inline float hmax(v16f v) {
 }
 
 // 16 bytes -> 16 floats (exact); spelt out because GCC converts byte vectors one element at a time
-#if !defined(__AVX512F__) && defined(__AVX2__)
-// two 8-lane halves joined into one v16f
-inline v16f join_halves(__m256 lo, __m256 hi) {
-  union { __m256 h[2]; v16f v; } u{{lo, hi}};
-  return u.v;
-}
-#endif
 inline v16f u8_to_float(v16u8 q) {
 #if defined(__AVX512F__)
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q));
-#elif defined(__AVX2__)
-  const __m128i x = (__m128i)q;
-  return join_halves(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)),
-                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8))));
 #else
   return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f);
 #endif
@@ -136,10 +122,6 @@ inline v16f u8_to_float(v16u8 q) {
 inline v16f s8_to_float(v16s8 q) {
 #if defined(__AVX512F__)
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q));
-#elif defined(__AVX2__)
-  const __m128i x = (__m128i)q;
-  return join_halves(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)),
-                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))));
 #else
   return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f);
 #endif
@@ -149,11 +131,6 @@ inline v16f bf16_to_float(const uint8_t* p) {
 #if defined(__AVX512F__)
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-#elif defined(__AVX2__)
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
-  return join_halves(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
-                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16)));
 #else
   typedef uint16_t v16u16 __attribute__((vector_size(32)));
   v16u16 h;
@@ -478,13 +455,9 @@ inline void direct_rows(const float* x, int64_t n, const Weight& w, int64_t firs
     float* rows_out = out + r * w.out;
     switch (std::min<int64_t>(n - r, DIRECT_GROUP)) {
       case 1: direct_block<FMT, 1>(rows_x, w, first, cols, rows_out); break;
-#if TILE_ROWS_MAX > 2
       case 2: direct_block<FMT, 2>(rows_x, w, first, cols, rows_out); break;
       case 3: direct_block<FMT, 3>(rows_x, w, first, cols, rows_out); break;
-      default: direct_block<FMT, 4>(rows_x, w, first, cols, rows_out); break;
-#else
-      default: direct_block<FMT, 2>(rows_x, w, first, cols, rows_out); break;
-#endif
+      default: direct_block<FMT, 4>(rows_x, w, first, cols, rows_out); break;  // DIRECT_GROUP <= 4
     }
   }
 }
@@ -495,17 +468,10 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
                       int64_t cols) {
   switch (rows) {
     case 1: tile_row_block<1>(x, k, w, k, out, ldo, cols); break;
-#if TILE_ROWS_MAX > 4
     case 2: tile_row_block<2>(x, k, w, k, out, ldo, cols); break;
     case 3: tile_row_block<3>(x, k, w, k, out, ldo, cols); break;
     case 4: tile_row_block<4>(x, k, w, k, out, ldo, cols); break;
-    default: tile_row_block<5>(x, k, w, k, out, ldo, cols); break;
-#elif TILE_ROWS_MAX > 2
-    case 2: tile_row_block<2>(x, k, w, k, out, ldo, cols); break;
-    default: tile_row_block<3>(x, k, w, k, out, ldo, cols); break;
-#else
-    default: tile_row_block<1>(x, k, w, k, out, ldo, cols); break;
-#endif
+    default: tile_row_block<5>(x, k, w, k, out, ldo, cols); break;  // TILE_ROWS <= 6
   }
 }
 
