@@ -154,6 +154,8 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
             "temperature": gr.Slider(0.0, labstate.MAX_TEMPERATURE, value=values["temperature"], step=0.05,
                                      label="Temperature (0 = greedy)", elem_id="temperature"),
             "precision": gr.Radio([("gguf (the GGUF's own 4-bit weights, read as they are)", "gguf"),
+                                   ("gguf-q8 (the same weights times 8-bit inputs: llama.cpp's arithmetic)",
+                                    "gguf-q8"),
                                    ("bf16 weights", "bf16"), ("fp32", "fp32")], value=values["precision"],
                                   label="Precision (every one exact: a tree changes the speed, never the text)",
                                   elem_id="precision"),

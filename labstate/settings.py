@@ -19,7 +19,7 @@ from core.tensor_thread import tensor_work
 from labstate.errors import LabInputError, show
 from labstate.limits import MAX_CUSTOM_TREE_CHARS, MAX_CUSTOM_TREE_NODES, MAX_DEPTH, MAX_TEMPERATURE
 
-PRECISIONS = ("fp32", "bf16", "gguf")
+PRECISIONS = ("fp32", "bf16", "gguf", "gguf-q8")
 
 
 @functools.lru_cache(maxsize=1)  # later calls answer at once, without waiting for the tensor thread's queue

@@ -311,7 +311,7 @@ def main() -> None:
                         help="instead of running: merge these result files (same config, other prompts) into --out")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "gguf", "fp16"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "gguf", "gguf-q8", "fp16"])
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rule", default="typical", help="acceptance rule when temperature > 0")
     parser.add_argument("--seed", type=int, default=0)

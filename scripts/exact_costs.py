@@ -4,7 +4,7 @@ For each precision: the weight bytes a step reads and the time to stream them on
 machine's measured read bandwidth), a plain step (one row, forward + logits) and a verify of
 1-64 rows over a 100-token cache (forward + logits of every row), median of 7. Run it alone.
 
-    PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf fp32 bf16] [--out FILE.json]
+    PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf-q8 gguf fp32 bf16] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def costs(precision: str, bandwidth: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precisions", nargs="+", default=["gguf", "fp32", "bf16"])
+    parser.add_argument("--precisions", nargs="+", default=["gguf-q8", "gguf", "fp32", "bf16"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     bandwidth = read_bandwidth_gb_s()

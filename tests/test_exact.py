@@ -13,15 +13,21 @@ from core.engine.build import load_kernels
 from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, KernelProduct, random_weight
 from core.engine.lean import LeanLlama
 from core.model import CACHE_DIR, ModelConfig, load_base_model
-from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
+from tests.tiny import greedy_reference, tiny_base, tiny_gguf_base, tiny_gguf_blocks, tiny_heads, tiny_hydra
 
 KERNELS = load_kernels(CACHE_DIR)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the exact kernels could not be built on this machine")
 
 
 def exact_engine(arch: str = "llama", mode: str = "fp32", **overrides) -> ExactLlama:
+    """A tiny model's exact engine in `mode`; in the gguf modes its weights rounded to GGUF blocks
+    (Q4_1 layers, a Q8_0 embedding) that the engine reads as they are."""
     base = tiny_base(arch, dtype="bf16" if mode == "bf16" else "fp32", **overrides)
     engine = base.engine
+    if mode in ("gguf", "gguf-q8"):
+        blocks = tiny_gguf_blocks(base)
+        engine = ExactLlama(engine.lean, KERNELS, mode, blocks=blocks)
+        assert not engine.quantized_fallbacks
     assert isinstance(engine, ExactLlama) and engine.mode == mode
     return engine
 
@@ -52,7 +58,7 @@ def plain_rows(engine: ExactLlama, prefix: torch.Tensor, path: list[int], tokens
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "gguf", "gguf-q8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("prefix_len", [1, 15, 16, 17, 31, 33])
 def test_tree_rows_equal_plain_steps_bitwise(mode, arch, prefix_len):
@@ -111,6 +117,81 @@ def test_each_format_matches_torch_on_its_own_values(fmt, tolerance, rows):
     expected = x @ values.T
     assert torch.allclose(out, expected, atol=tolerance * float(expected.abs().max()), rtol=0)
     assert all(torch.equal(out[i], KERNELS.matmul(x[i:i + 1], weight)[0]) for i in range(rows))
+
+
+def int8_reference(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x [n, k] @ values.T [k, out] with each row of x first rounded to 8 bits per block of 32
+    (d = amax / 127, q = round(x / d), ties to even), in float64: the product gguf-q8 computes."""
+    n, k = x.shape
+    blocks = x.reshape(n, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(n, k).double() @ values.double().T
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
+def test_8bit_activations_product_is_the_rounded_rows_times_the_blocks(fmt, rows):
+    """gguf-q8's product: each input row rounded to 8-bit blocks on its own, times the weight
+    blocks, as float64 maths says within float rounding (not within the 8-bit rounding: the test
+    rounds the same way); each row bitwise what it is alone, and what it is in any other group."""
+    generator = torch.Generator().manual_seed(10 + fmt)
+    weight = random_weight(KERNELS, fmt, 40, 160, generator, int8_activations=True)
+    assert weight.int8_activations
+    values = KERNELS.dequantize(weight)  # [40, 160]
+    x = torch.randn(rows, 160, generator=generator) * torch.rand(rows, 1, generator=generator)
+    out = KERNELS.matmul(x, weight)
+    expected = int8_reference(x, values)
+    assert torch.allclose(out.double(), expected, atol=1e-6 * float(expected.abs().max()), rtol=0)
+    # not the fp32 product: the 8-bit rounding of the inputs shows
+    assert not torch.allclose(out, x @ values.T, atol=1e-5 * float(expected.abs().max()), rtol=0)
+    assert all(torch.equal(out[i], KERNELS.matmul(x[i:i + 1], weight)[0]) for i in range(rows))
+    if rows > 2:
+        assert torch.equal(out[1:], KERNELS.matmul(x[1:], weight))
+
+
+@needs_kernels
+def test_the_gguf_modes_read_the_blocks_and_only_gguf_q8_rounds_the_inputs():
+    """On a tiny model rounded to GGUF blocks: gguf mode's forward is bitwise the fp32 engine's over
+    the same values; gguf-q8's is not (8-bit inputs), yet within 8-bit rounding of it."""
+    base = tiny_base("llama")
+    blocks = tiny_gguf_blocks(base)  # the model's weights now hold the blocks' values
+    lean = base.engine.lean
+    tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(5))
+    hidden = {mode: engine.forward(tokens, torch.arange(12), engine.new_cache())
+              for mode, engine in [("fp32", ExactLlama(lean, KERNELS, "fp32")),
+                                   ("gguf", ExactLlama(lean, KERNELS, "gguf", blocks=blocks)),
+                                   ("gguf-q8", ExactLlama(lean, KERNELS, "gguf-q8", blocks=blocks))]}
+    assert torch.equal(hidden["gguf"], hidden["fp32"])
+    assert not torch.equal(hidden["gguf-q8"], hidden["gguf"])
+    assert torch.allclose(hidden["gguf-q8"], hidden["gguf"], atol=0.05 * float(hidden["gguf"].abs().max()))
+
+
+@needs_kernels
+def test_8bit_activations_need_blocks():
+    with pytest.raises(RuntimeError, match="8-bit activations need"):
+        KERNELS.Weight(F32, torch.randn(8, 32), 8, 32, int8_activations=True)
+
+
+@needs_kernels
+def test_gguf_modes_need_the_blocks():
+    with pytest.raises(ValueError, match="reads a GGUF"):
+        ExactLlama(tiny_base("llama").engine.lean, KERNELS, "gguf-q8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])
+def test_greedy_equals_plain_in_the_gguf_modes_on_a_tiny_model(mode):
+    """Dynamic and Hydra trees over a tiny model's GGUF blocks: plain greedy decoding's text in
+    that mode (gguf-q8's text is its own: 8-bit inputs change the numbers, never row by row)."""
+    base = tiny_gguf_base(mode)
+    assert base.engine.mode == mode
+    prompt = list(range(40, 60))
+    plain = decode(base, None, prompt, DecodeConfig(spec="ar", max_new_tokens=40)).output_ids
+    heads, hydra = tiny_heads(base), tiny_hydra(base)
+    for heads_used, spec in [(heads, "dynamic:40"), (heads, "fixed"), (hydra, "hydra:30")]:
+        assert decode(base, heads_used, prompt, DecodeConfig(spec=spec, max_new_tokens=40)).output_ids == plain
 
 
 @needs_kernels
@@ -190,7 +271,7 @@ def test_gguf_blocks_are_the_fp32_weights_and_the_forward_is_the_same(shipped_mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "gguf", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "gguf", "bf16", "gguf-q8"])
 def test_every_strategy_equals_plain_greedy_on_the_shipped_model(precision, shipped_heads, shipped_hydra,
                                                                  mt_bench_prompts):
     """Token for token, no near-tie allowance: fixed, dynamic (with lookup and the datastore), Hydra

@@ -161,3 +161,49 @@ def tiny_eagle(base: BaseModel, *, std: float = 0.1, seed: int = 0) -> "EagleLay
             if weight.dim() == 2:
                 weight.normal_(0.0, std, generator=generator)
     return layer.to(device=base.device, dtype=base.dtype).eval().requires_grad_(False)
+
+
+def tiny_gguf_blocks(base: BaseModel) -> "GgufBlocks":
+    """A tiny fp32 model's weights rounded to GGUF blocks as llama.cpp's converter writes them (Q4_1
+    layers, a Q8_0 embedding), the model's weights set to the blocks' values in place, so the gguf
+    modes of the exact engine run on it (`ExactLlama(..., blocks=...)`)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from core.engine.exact import GgufBlocks, Q4_1, Q8_0
+    lean = base.engine.lean if hasattr(base.engine, "lean") else base.engine
+    formats = {Q4_1: GGMLQuantizationType.Q4_1, Q8_0: GGMLQuantizationType.Q8_0}
+    tensors = {}
+
+    def rounded(name: str, weight: torch.Tensor, fmt: int) -> None:
+        values = weight.detach().float().numpy()
+        raw = quants.quantize(values, formats[fmt])  # [rows, row_bytes]
+        with torch.no_grad():
+            weight.copy_(torch.from_numpy(quants.dequantize(raw, formats[fmt]).astype(np.float32)))
+        tensors[name] = (fmt, raw)
+
+    q_rows, kv_rows = lean.num_heads * lean.head_dim, lean.kv_heads * lean.head_dim
+    for i, layer in enumerate(lean.layers):
+        qkv, gate_up = layer.qkv.weight, layer.gate_up.weight
+        half = gate_up.shape[0] // 2
+        parts = [("attn_q", qkv[:q_rows]), ("attn_k", qkv[q_rows:q_rows + kv_rows]),
+                 ("attn_v", qkv[q_rows + kv_rows:]), ("attn_output", layer.out.weight),
+                 ("ffn_gate", gate_up[:half]), ("ffn_up", gate_up[half:]), ("ffn_down", layer.down.weight)]
+        for part, weight in parts:
+            rounded(f"blk.{i}.{part}.weight", weight, Q4_1)
+    rounded("token_embd.weight", lean.embed, Q8_0)
+    if lean.lm_head.weight.data_ptr() != lean.embed.data_ptr():
+        rounded("output.weight", lean.lm_head.weight, Q8_0)
+    return GgufBlocks(tensors)
+
+
+def tiny_gguf_base(mode: str, arch: str = "llama") -> BaseModel:
+    """A tiny model whose exact engine runs in gguf mode `mode` ("gguf" or "gguf-q8") over its own
+    weights rounded to GGUF blocks (`tiny_gguf_blocks`)."""
+    from core.engine.build import load_kernels
+    from core.engine.exact import ExactLlama
+    from core.model import CACHE_DIR
+    base = tiny_base(arch)
+    engine = ExactLlama(base.engine.lean, load_kernels(CACHE_DIR), mode, blocks=tiny_gguf_blocks(base))
+    object.__setattr__(base, "engine", engine)  # seeds the cached property (BaseModel is frozen)
+    return base

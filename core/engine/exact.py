@@ -11,6 +11,12 @@ Modes (the weights the products read; activations, cache and accumulation are fp
 - `gguf`: the GGUF's own Q4_1 / Q8_0 blocks, dequantised in the kernel exactly as gguf does (the
   values the fp32 model was loaded with), so a gguf forward equals the fp32 one bit for bit while
   reading 5.6x fewer weight bytes.
+- `gguf-q8`: the same blocks multiplied by 8-bit activations, llama.cpp's arithmetic: each product's
+  input row is rounded to 8 bits per block of 32 (on its own, so rows stay independent) and the
+  blocks' dot products are exact integers. Not the fp32 model's numbers (about 0.5 % off per
+  product, as llama.cpp's), but every row is still bitwise its plain step in this mode, so greedy
+  speculative output equals plain greedy output in gguf-q8 too; where integer dots are cheaper
+  than widening every weight to fp32 (a one-token step on a CPU without AVX512) it is the fastest.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, OnLeanForward, StaticC
 
 log = logging.getLogger(__name__)
 
-MODES = ("fp32", "bf16", "gguf")
+MODES = ("fp32", "bf16", "gguf", "gguf-q8")
+GGUF_MODES = ("gguf", "gguf-q8")  # the modes that read the GGUF's blocks
 F32, BF16, Q8_0, Q4_1 = 0, 1, 2, 3  # weight formats of kernels/exact.cpp
 GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_1": Q4_1}
 LANES = 16  # the kernels' vector width: every product width must be a multiple
@@ -95,7 +102,9 @@ class ExactLlama(OnLeanForward):
     """The exact forward of a model the lean forward covers; the same interface as `LeanLlama`
     (`forward`, `project`, `new_cache`), plus `mode`. Batched generation stays on the lean forward."""
 
-    def __init__(self, lean: LeanLlama, kernels: ModuleType, mode: str, gguf_path: Path | None = None) -> None:
+    def __init__(self, lean: LeanLlama, kernels: ModuleType, mode: str, gguf_path: Path | None = None, *,
+                 blocks: GgufBlocks | None = None) -> None:
+        """`gguf_path` (or its `blocks`, already read) is required in the gguf modes."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         reason = exact_unsupported_reason(lean)
@@ -104,7 +113,12 @@ class ExactLlama(OnLeanForward):
         self.lean, self.kernels, self.mode = lean, kernels, mode
         self.dtype, self.device = lean.dtype, lean.device
         self.max_positions, self.hidden_size = lean.max_positions, lean.hidden_size
-        blocks = GgufBlocks.read(gguf_path) if mode == "gguf" and gguf_path is not None else None
+        if mode in GGUF_MODES and blocks is None:
+            if gguf_path is None:
+                raise ValueError(f"mode {mode} reads a GGUF's blocks: give its path")
+            blocks = GgufBlocks.read(gguf_path)
+        blocks = blocks if mode in GGUF_MODES else None
+        self.int8_activations = mode == "gguf-q8"
         self.weight_bytes = 0
         self.quantized_fallbacks: list[str] = []  # gguf mode: weights read as fp32 (their blocks did not match)
         self.raw_rows: dict[str, tuple[int, np.ndarray]] = {}  # gguf mode: a one-part weight's blocks, model row order
@@ -127,7 +141,8 @@ class ExactLlama(OnLeanForward):
                     self.raw_rows[gguf_parts[0]] = parts[0]
                 raw = torch.from_numpy(np.concatenate([p[1] for p in parts]))  # [out, row_bytes]
                 self.weight_bytes += raw.numel()
-                return self.kernels.Weight(parts[0][0], raw, out, width, bias)
+                return self.kernels.Weight(parts[0][0], raw, out, width, bias,
+                                           int8_activations=self.int8_activations)
             self.quantized_fallbacks.append("+".join(gguf_parts))
         data = weight.detach().float() if weight.dtype not in (torch.float32, torch.bfloat16) else weight.detach()
         data = data.contiguous()
@@ -212,7 +227,8 @@ class ExactLlama(OnLeanForward):
         ids = token_ids[:rows] if token_ids is not None else torch.arange(rows)
         if raw is not None and torch.equal(weight[:4].float(), self.lean.embed[ids[:4]].float()):
             fmt, blocks = raw
-            return KernelProduct(self.kernels, self.kernels.Weight(fmt, torch.from_numpy(blocks[ids.numpy()]), rows, width))
+            return KernelProduct(self.kernels, self.kernels.Weight(fmt, torch.from_numpy(blocks[ids.numpy()]), rows, width,
+                                                                   int8_activations=self.int8_activations))
         return KernelProduct(self.kernels, self.kernels.Weight(BF16, weight.detach().bfloat16().contiguous(), rows,
                                                            width))
 
@@ -230,9 +246,11 @@ class ExactLlama(OnLeanForward):
         return f"exact kernels ({self.kernels.ISA}), {self.mode}: {read}{fallback}"
 
 
-def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator: torch.Generator) -> object:
+def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator: torch.Generator,
+                  int8_activations: bool = False) -> object:
     """A kernel weight of random values in format `fmt` (for timing): fp32 / bf16 values, or
-    GGUF-style blocks with random nibbles / bytes and a small fp16 scale (and minimum)."""
+    GGUF-style blocks with random nibbles / bytes and a small fp16 scale (and minimum), read with
+    8-bit activations when `int8_activations`."""
     values = torch.randn(out, width, generator=generator)
     if fmt == F32:
         return kernels.Weight(F32, values, out, width)
@@ -246,7 +264,7 @@ def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator
     else:
         nibbles = torch.randint(0, 256, (blocks, 16), generator=generator, dtype=torch.int16).to(torch.uint8)
         raw = torch.cat([scale, scale, nibbles], dim=1)  # [blocks, 20]
-    return kernels.Weight(fmt, raw.reshape(out, -1).contiguous(), out, width)
+    return kernels.Weight(fmt, raw.reshape(out, -1).contiguous(), out, width, int8_activations=int8_activations)
 
 
 def time_modes(kernels: ModuleType, shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...] = (1, 8),
@@ -255,11 +273,12 @@ def time_modes(kernels: ModuleType, shapes: tuple[tuple[int, int], ...], rows: t
     row count (more weights than a CPU cache holds, so they stream from memory as in a forward)."""
     from core.engine.lean import median_ms
     generator = torch.Generator().manual_seed(0)
-    formats = {"fp32": F32, "bf16": BF16, "gguf": Q4_1}
+    formats = {"fp32": F32, "bf16": BF16, "gguf": Q4_1, "gguf-q8": Q4_1}
     report: dict[str, dict[int, float]] = {}
     for mode in modes:
         fmt = formats[mode]
-        weights = [random_weight(kernels, fmt, out, width, generator) for _ in range(layers) for out, width in shapes]
+        weights = [random_weight(kernels, fmt, out, width, generator, int8_activations=mode == "gguf-q8")
+                   for _ in range(layers) for out, width in shapes]
         report[mode] = {}
         for count in rows:
             inputs = {width: torch.randn(count, width, generator=generator) for _, width in shapes}

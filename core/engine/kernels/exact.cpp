@@ -236,9 +236,16 @@ struct Weight {
   int64_t out, in, stride;
   torch::Tensor data, bias;
   const uint8_t* bytes;
+  // 8-bit activations (mode gguf-q8): the product multiplies the blocks' integers by each input
+  // row's 8-bit blocks; for it the blocks are also split into their quants [out, blocks * 16 | 32]
+  // and fp16 scales [out, padded] (d; m for Q4_1), zero-padded to whole 8-lane vectors of blocks
+  bool int8 = false;
+  int64_t padded = 0;
+  torch::Tensor quants, scale_d, scale_m;
 
-  Weight(int format_, torch::Tensor data_, int64_t out_, int64_t in_, c10::optional<torch::Tensor> bias_)
-      : format(format_), out(out_), in(in_), data(data_.contiguous()) {
+  Weight(int format_, torch::Tensor data_, int64_t out_, int64_t in_, c10::optional<torch::Tensor> bias_,
+         bool int8_activations)
+      : format(format_), out(out_), in(in_), data(data_.contiguous()), int8(int8_activations) {
     stride = row_bytes(format, in);
     TORCH_CHECK(in % LANES == 0, "input width ", in, " is not a multiple of ", LANES);
     TORCH_CHECK(format < Q8_0 || in % QBLOCK == 0, "quantised width ", in, " is not a multiple of 32");
@@ -248,6 +255,26 @@ struct Weight {
       bias = bias_->to(torch::kFloat32).contiguous();
       TORCH_CHECK(bias.numel() == out, "bias size");
     }
+    if (int8) split_blocks();
+  }
+
+  void split_blocks() {
+    TORCH_CHECK(format == Q8_0 || format == Q4_1, "8-bit activations need Q8_0 or Q4_1 blocks");
+    const int64_t blocks = in / QBLOCK, quant_bytes = format == Q4_1 ? 16 : 32, block_bytes = stride / blocks;
+    padded = (blocks + 7) / 8 * 8;
+    quants = torch::empty({out, blocks * quant_bytes}, torch::kUInt8);
+    scale_d = torch::zeros({out, padded}, torch::kInt16);
+    scale_m = torch::zeros({out, format == Q4_1 ? padded : 0}, torch::kInt16);
+    uint8_t* q = quants.data_ptr<uint8_t>();
+    int16_t* d = scale_d.data_ptr<int16_t>();
+    int16_t* m = scale_m.data_ptr<int16_t>();
+    for (int64_t c = 0; c < out; ++c)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = bytes + c * stride + b * block_bytes;
+        std::memcpy(d + c * padded + b, block, 2);
+        if (format == Q4_1) std::memcpy(m + c * padded + b, block + 2, 2);
+        std::memcpy(q + (c * blocks + b) * quant_bytes, block + block_bytes - quant_bytes, quant_bytes);
+      }
   }
 
   // rows [first, first + count) of the weight as fp32 in dst [count, in] (or a pointer into the
@@ -475,8 +502,196 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
   }
 }
 
+
+// ---- 8-bit activations (mode gguf-q8): llama.cpp's arithmetic, row-invariant ----------------------
+// Each input row is cut into blocks of 32 and rounded to 8 bits per block, on its own (d = amax / 127,
+// q = round(x / d), s = d * sum(q)): a row's integers never depend on the other rows. A block's dot
+// with a weight block is an exact integer (4 lanes of products per 32-bit lane); per output element
+// the blocks then add in a fixed order in 8 float lanes, acc = fma(dw * dx, isum, acc), and Q4_1's
+// minimum enters as a separate 8-lane sum of mw * s over the blocks. The same sequence for every
+// row, whatever the row count or the tile, so a tree row is bitwise its plain step here too.
+struct ActivationBlocks {
+  int64_t n, k, blocks, padded;
+  std::vector<int8_t> q;   // [n, k]
+  std::vector<float> d, s;  // [n, padded]: each block's scale and d * sum(q), zero past the last block
+};
+
+// the 8-lane sum a + b tree of hsum8 below, on scalars
+inline float hsum8_scalar(const float* v) {
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k) {
+  ActivationBlocks a{n, k, k / QBLOCK, (k / QBLOCK + 7) / 8 * 8, {}, {}, {}};
+  a.q.resize(n * k);
+  a.d.assign(n * a.padded, 0.0f);
+  a.s.assign(n * a.padded, 0.0f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const float* v = x + r * k + b * QBLOCK;
+      float amax = 0.0f;
+      for (int i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+      for (int i = 0; i < QBLOCK; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inverse));  // to nearest, ties to even
+        a.q[r * k + b * QBLOCK + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      a.d[r * a.padded + b] = d;
+      a.s[r * a.padded + b] = d * static_cast<float>(sum);
+    }
+  return a;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // v[i] + v[i + 4]
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));                                          // (0 + 2), (1 + 3)
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+// R rows x C columns (w: the first column's quants; d16 / m16: its scales, rows `padded` apart);
+// scales: scratch [R * C * padded]
+template <int FMT, int R, int C>
+inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
+                         const uint16_t* d16, const uint16_t* m16, float* scales, float* out, int64_t ldo) {
+  const int64_t blocks = a.blocks, padded = a.padded;
+  float mins[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const float* dx = a.d.data() + (row + r) * padded;
+      const float* sx = a.s.data() + (row + r) * padded;
+      float* scale = scales + (r * C + c) * padded;
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t b = 0; b < padded; b += 8) {
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + c * padded + b)));
+        _mm256_storeu_ps(scale + b, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + b)));
+        if constexpr (FMT == Q4_1) {
+          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + c * padded + b)));
+          m = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), m);
+        }
+      }
+      mins[r][c] = hsum8(m);
+    }
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i wq[C];
+    for (int c = 0; c < C; ++c) {
+      if constexpr (FMT == Q4_1) {  // elements 0-15 the low nibbles, 16-31 the high ones
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * stride + b * 16));
+        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
+        wq[c] = _mm256_and_si256(both, nibble);
+      } else {
+        wq[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + b * 32));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (row + r) * a.k + b * QBLOCK));
+      for (int c = 0; c < C; ++c) {
+        // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the activation
+        const __m256i pairs = FMT == Q4_1 ? _mm256_maddubs_epi16(wq[c], xq)
+                                          : _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xq, wq[c]));
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));  // [8] exact integers
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + (r * C + c) * padded + b), isum, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum8(acc[r][c]) + mins[r][c];
+}
+#else
+// the same arithmetic on scalars (lane j of the 8 holds elements 4j..4j+3 of every block)
+template <int FMT, int R, int C>
+inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
+                         const uint16_t* d16, const uint16_t* m16, float*, float* out, int64_t ldo) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const float* dx = a.d.data() + (row + r) * a.padded;
+      const float* sx = a.s.data() + (row + r) * a.padded;
+      float acc[8] = {}, mins[8] = {};
+      for (int64_t b = 0; b < a.padded; ++b)
+        if (FMT == Q4_1) mins[b % 8] = std::fma(half_to_float(m16[c * a.padded + b]), sx[b], mins[b % 8]);
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const float scale = half_to_float(d16[c * a.padded + b]) * dx[b];
+        const int8_t* xq = a.q.data() + (row + r) * a.k + b * QBLOCK;
+        for (int j = 0; j < 8; ++j) {
+          int32_t isum = 0;
+          for (int i = 4 * j; i < 4 * j + 4; ++i) {
+            const uint8_t* q = w + c * stride;
+            const int32_t wi = FMT == Q4_1 ? (i < 16 ? q[b * 16 + i] & 0x0f : q[b * 16 + i - 16] >> 4)
+                                           : static_cast<int8_t>(q[b * 32 + i]);
+            isum += wi * xq[i];
+          }
+          acc[j] = std::fma(scale, static_cast<float>(isum), acc[j]);
+        }
+      }
+      out[r * ldo + c] = hsum8_scalar(acc) + hsum8_scalar(mins);
+    }
+}
+#endif
+
+template <int FMT, int R>
+inline void int8_block(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t first, int64_t cols,
+                       float* scales, float* out) {
+  constexpr int C = R == 1 ? 4 : 2;  // accumulators R * C and C weight blocks within 16 ymm registers
+  const int64_t quant_stride = w.quants.size(1);
+  const uint8_t* q = w.quants.data_ptr<uint8_t>() + first * quant_stride;
+  const uint16_t* d16 = reinterpret_cast<const uint16_t*>(w.scale_d.data_ptr<int16_t>()) + first * w.padded;
+  const uint16_t* m16 = FMT == Q4_1 ? reinterpret_cast<const uint16_t*>(w.scale_m.data_ptr<int16_t>()) + first * w.padded
+                                    : nullptr;
+  float* o = out + row * w.out + first;
+  int64_t c = 0;
+  for (; c + C <= cols; c += C)
+    int8_columns<FMT, R, C>(a, row, q + c * quant_stride, quant_stride, d16 + c * w.padded,
+                            m16 ? m16 + c * w.padded : nullptr, scales, o + c, w.out);
+  for (; c < cols; ++c)
+    int8_columns<FMT, R, 1>(a, row, q + c * quant_stride, quant_stride, d16 + c * w.padded,
+                            m16 ? m16 + c * w.padded : nullptr, scales, o + c, w.out);
+}
+
+template <int FMT>
+inline void int8_rows(const ActivationBlocks& a, const Weight& w, int64_t first, int64_t cols, float* scales,
+                      float* out) {
+  for (int64_t r = 0; r < a.n; r += 4) {
+    switch (std::min<int64_t>(a.n - r, 4)) {
+      case 1: int8_block<FMT, 1>(a, r, w, first, cols, scales, out); break;
+      case 2: int8_block<FMT, 2>(a, r, w, first, cols, scales, out); break;
+      case 3: int8_block<FMT, 3>(a, r, w, first, cols, scales, out); break;
+      default: int8_block<FMT, 4>(a, r, w, first, cols, scales, out); break;
+    }
+  }
+}
+
+inline void add_bias(const Weight& w, int64_t n, int64_t first, int64_t cols, float* out) {
+  if (!w.bias.defined()) return;
+  const float* b = w.bias.data_ptr<float>() + first;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < cols; ++c) out[i * w.out + first + c] += b[c];
+}
+
+// out [n, w.out] = x [n, w.in] @ w.T (+ bias), the activations rounded to 8-bit blocks per row
+void int8_matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
+  const ActivationBlocks a = quantize_rows(x, n, w.in);
+  const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(4 * 4 * a.padded);  // [R * C, padded]
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
+      if (w.format == Q4_1) int8_rows<Q4_1>(a, w, first, cols, scales.data(), out);
+      else int8_rows<Q8_0>(a, w, first, cols, scales.data(), out);
+      add_bias(w, n, first, cols, out);
+    }
+  });
+}
+
 // out [n, w.out] = x [n, w.in] @ w.T (+ bias)
 void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
+  if (w.int8) return int8_matmul_into(x, n, w, out);
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
   // (bf16 in 32-number steps like a quantised block, where the width allows)
   const bool direct = (w.format >= Q8_0 || (w.format == BF16 && w.in % QBLOCK == 0)) && n <= DIRECT_ROWS;
@@ -497,11 +712,7 @@ void matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
           tile_row_block<TILE_ROWS>(x + r * w.in, w.in, wb, w.in, out + r * w.out + first, w.out, cols);
         if (r < n) tail_rows(n - r, x + r * w.in, w.in, wb, out + r * w.out + first, w.out, cols);
       }
-      if (w.bias.defined()) {
-        const float* b = w.bias.data_ptr<float>() + first;
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t c = 0; c < cols; ++c) out[i * w.out + first + c] += b[c];
-      }
+      add_bias(w, n, first, cols, out);
     }
   });
 }
@@ -826,9 +1037,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = ISA;
   m.attr("TILE_ROWS") = TILE_ROWS;
   py::class_<Weight>(m, "Weight")
-      .def(py::init<int, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>>(), py::arg("format"),
-           py::arg("data"), py::arg("out"), py::arg("in"), py::arg("bias") = py::none())
+      .def(py::init<int, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>, bool>(), py::arg("format"),
+           py::arg("data"), py::arg("out"), py::arg("in"), py::arg("bias") = py::none(),
+           py::arg("int8_activations") = false)
       .def_readonly("format", &Weight::format)
+      .def_readonly("int8_activations", &Weight::int8)
       .def_readonly("out", &Weight::out)
       .def_readonly("in_features", &Weight::in);
   py::class_<Config>(m, "Config")
