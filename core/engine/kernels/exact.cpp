@@ -186,6 +186,9 @@ inline float half_to_float(uint16_t h) {
 enum Format : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_1 = 3 };
 constexpr int QBLOCK = 32;
 
+// where element i of block b sits in the pair order of the 8-bit product (gguf-q8, below)
+inline int64_t pair_offset(int64_t b, int64_t i) { return (b / 2) * 64 + (i / 16) * 32 + (b % 2) * 16 + i % 16; }
+
 int64_t row_bytes(int format, int64_t k) {
   switch (format) {
     case F32: return k * 4;
@@ -258,11 +261,14 @@ struct Weight {
     if (int8) split_blocks();
   }
 
+  // the blocks' quants in the pair order of the 8-bit product (int8_columns), zero-padded to whole
+  // pairs, and their fp16 scales apart
   void split_blocks() {
     TORCH_CHECK(format == Q8_0 || format == Q4_1, "8-bit activations need Q8_0 or Q4_1 blocks");
-    const int64_t blocks = in / QBLOCK, quant_bytes = format == Q4_1 ? 16 : 32, block_bytes = stride / blocks;
+    const int64_t blocks = in / QBLOCK, pairs = (blocks + 1) / 2, block_bytes = stride / blocks;
+    const int64_t pair_bytes = format == Q4_1 ? 32 : 64;  // Q4_1: both blocks' 16 nibble bytes, in turn
     padded = (blocks + 7) / 8 * 8;
-    quants = torch::empty({out, blocks * quant_bytes}, torch::kUInt8);
+    quants = torch::zeros({out, pairs * pair_bytes}, torch::kUInt8);
     scale_d = torch::zeros({out, padded}, torch::kInt16);
     scale_m = torch::zeros({out, format == Q4_1 ? padded : 0}, torch::kInt16);
     uint8_t* q = quants.data_ptr<uint8_t>();
@@ -271,9 +277,14 @@ struct Weight {
     for (int64_t c = 0; c < out; ++c)
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = bytes + c * stride + b * block_bytes;
+        uint8_t* row = q + c * pairs * pair_bytes;
         std::memcpy(d + c * padded + b, block, 2);
-        if (format == Q4_1) std::memcpy(m + c * padded + b, block + 2, 2);
-        std::memcpy(q + (c * blocks + b) * quant_bytes, block + block_bytes - quant_bytes, quant_bytes);
+        if (format == Q4_1) {
+          std::memcpy(m + c * padded + b, block + 2, 2);
+          std::memcpy(row + b * 16, block + 4, 16);
+        } else {
+          for (int i = 0; i < QBLOCK; ++i) row[pair_offset(b, i)] = block[2 + i];
+        }
       }
   }
 
@@ -505,29 +516,32 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 
 // ---- 8-bit activations (mode gguf-q8): llama.cpp's arithmetic, row-invariant ----------------------
 // Each input row is cut into blocks of 32 and rounded to 8 bits per block, on its own (d = amax / 127,
-// q = round(x / d), s = d * sum(q)): a row's integers never depend on the other rows. A block's dot
-// with a weight block is an exact integer (4 lanes of products per 32-bit lane); per output element
-// the blocks then add in a fixed order in 8 float lanes, acc = fma(dw * dx, isum, acc), and Q4_1's
-// minimum enters as a separate 8-lane sum of mw * s over the blocks. The same sequence for every
-// row, whatever the row count or the tile, so a tree row is bitwise its plain step here too.
+// q = round(x / d), s = d * sum(q)): a row's integers never depend on the other rows. Blocks go in
+// pairs (2p, 2p + 1), a pair's 64 numbers in the order [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 |
+// 2p+1: 16-31], weights and activations alike, so one 256-bit vector holds both blocks' low (or
+// high) halves and, after the integer dot products (exact), 32-bit lanes 0-3 hold block 2p's sums
+// and lanes 4-7 block 2p+1's. Per output element, per pair: acc = fma(isum * dw, dx, acc) in 8
+// float lanes, pairs in order, then the fixed 8-lane sum and Q4_1's minimum term (an 8-lane sum of
+// mw * s over the blocks). The same sequence for every row, whatever the row count or the tile.
 struct ActivationBlocks {
-  int64_t n, k, blocks, padded;
-  std::vector<int8_t> q;   // [n, k]
-  std::vector<float> d, s;  // [n, padded]: each block's scale and d * sum(q), zero past the last block
+  int64_t n, blocks, pairs, padded;  // padded: blocks rounded up to whole 8-lane vectors
+  std::vector<int8_t> q;             // [n, pairs * 64], pair order, zero in a padding block
+  std::vector<float> scale;          // [n, pairs * 8]: d of block 2p in lanes 0-3, of 2p + 1 in lanes 4-7
+  std::vector<float> sums;           // [n, padded]: each block's d * sum(q), zero past the last block
 };
 
-// the 8-lane sum a + b tree of hsum8 below, on scalars
-inline float hsum8_scalar(const float* v) {
+inline float hsum8_scalar(const float* v) {  // hsum8's tree, on scalars
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
 ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k) {
-  ActivationBlocks a{n, k, k / QBLOCK, (k / QBLOCK + 7) / 8 * 8, {}, {}, {}};
-  a.q.resize(n * k);
-  a.d.assign(n * a.padded, 0.0f);
-  a.s.assign(n * a.padded, 0.0f);
+  const int64_t blocks = k / QBLOCK, pairs = (blocks + 1) / 2;
+  ActivationBlocks a{n, blocks, pairs, (blocks + 7) / 8 * 8, {}, {}, {}};
+  a.q.assign(n * pairs * 64, 0);
+  a.scale.assign(n * pairs * 8, 0.0f);
+  a.sums.assign(n * a.padded, 0.0f);
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t b = 0; b < a.blocks; ++b) {
+    for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + r * k + b * QBLOCK;
       float amax = 0.0f;
       for (int i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
@@ -535,16 +549,40 @@ ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k) {
       int32_t sum = 0;
       for (int i = 0; i < QBLOCK; ++i) {
         const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inverse));  // to nearest, ties to even
-        a.q[r * k + b * QBLOCK + i] = static_cast<int8_t>(q);
+        a.q[r * pairs * 64 + pair_offset(b, i)] = static_cast<int8_t>(q);
         sum += q;
       }
-      a.d[r * a.padded + b] = d;
-      a.s[r * a.padded + b] = d * static_cast<float>(sum);
+      for (int i = 0; i < 4; ++i) a.scale[r * pairs * 8 + (b / 2) * 8 + (b % 2) * 4 + i] = d;
+      a.sums[r * a.padded + b] = d * static_cast<float>(sum);
     }
   return a;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// A block of columns' d scales in pair lanes (as the activations' scale), [cols, pairs * 8], per thread
+struct ColumnScales {
+  std::vector<float> d;
+  void fill(const Weight& w, int64_t pairs, int64_t first, int64_t cols) {
+    d.resize(cols * pairs * 8);
+    const uint16_t* d16 = reinterpret_cast<const uint16_t*>(w.scale_d.data_ptr<int16_t>()) + first * w.padded;
+    for (int64_t c = 0; c < cols; ++c) {
+      float* lanes = d.data() + c * pairs * 8;
+#if defined(__AVX2__) && defined(__F16C__)
+      for (int64_t b = 0; b < 2 * pairs; b += 8) {  // 8 blocks' scales, then each pair's two spread to 4 lanes each
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + c * w.padded + b)));
+        for (int64_t j = 0; j < 4 && b / 2 + j < pairs; ++j) {
+          const __m256i spread = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+          _mm256_storeu_ps(lanes + (b / 2 + j) * 8, _mm256_permutevar8x32_ps(v, spread));
+        }
+      }
+#else
+      for (int64_t b = 0; b < 2 * pairs; ++b)
+        for (int i = 0; i < 4; ++i) lanes[(b / 2) * 8 + (b % 2) * 4 + i] = half_to_float(d16[c * w.padded + b]);
+#endif
+    }
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
 inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // v[i] + v[i + 4]
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));                                          // (0 + 2), (1 + 3)
@@ -552,117 +590,127 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-// R rows x C columns (w: the first column's quants; d16 / m16: its scales, rows `padded` apart);
-// scales: scratch [R * C * padded]
+inline __m256 minimum_sums(const uint16_t* m16, const float* sx, int64_t padded) {
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t b = 0; b < padded; b += 8) {
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + b)));
+    m = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), m);
+  }
+  return m;
+}
+
+// R rows x C columns: w the first column's quants (stride bytes apart), dw / mw its scales
 template <int FMT, int R, int C>
 inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                         const uint16_t* d16, const uint16_t* m16, float* scales, float* out, int64_t ldo) {
-  const int64_t blocks = a.blocks, padded = a.padded;
-  float mins[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const float* dx = a.d.data() + (row + r) * padded;
-      const float* sx = a.s.data() + (row + r) * padded;
-      float* scale = scales + (r * C + c) * padded;
-      __m256 m = _mm256_setzero_ps();
-      for (int64_t b = 0; b < padded; b += 8) {
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + c * padded + b)));
-        _mm256_storeu_ps(scale + b, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + b)));
-        if constexpr (FMT == Q4_1) {
-          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + c * padded + b)));
-          m = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), m);
-        }
-      }
-      mins[r][c] = hsum8(m);
-    }
+                         const float* dw, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
+  const int64_t pairs = a.pairs, lane_stride = pairs * 8;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i wq[C];
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i low[C], high[C];
     for (int c = 0; c < C; ++c) {
-      if constexpr (FMT == Q4_1) {  // elements 0-15 the low nibbles, 16-31 the high ones
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * stride + b * 16));
-        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
-        wq[c] = _mm256_and_si256(both, nibble);
+      if constexpr (FMT == Q4_1) {  // low nibbles: elements 0-15 of both blocks; high: 16-31
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 32));
+        low[c] = _mm256_and_si256(v, nibble);
+        high[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       } else {
-        wq[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + b * 32));
+        low[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 64));
+        high[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 64 + 32));
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (row + r) * a.k + b * QBLOCK));
+      const int8_t* xq = a.q.data() + (row + r) * pairs * 64 + p * 64;
+      const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      const __m256 dx = _mm256_loadu_ps(a.scale.data() + (row + r) * lane_stride + p * 8);
       for (int c = 0; c < C; ++c) {
-        // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the activation
-        const __m256i pairs = FMT == Q4_1 ? _mm256_maddubs_epi16(wq[c], xq)
-                                          : _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xq, wq[c]));
-        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));  // [8] exact integers
-        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + (r * C + c) * padded + b), isum, acc[r][c]);
+        __m256i isum;
+        if constexpr (FMT == Q4_1) {  // nibble x byte pairs stay within 16 bits, two halves too (<= 7620)
+          const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(low[c], x_low),
+                                                   _mm256_maddubs_epi16(high[c], x_high));
+          isum = _mm256_madd_epi16(pairs16, ones);
+        } else {  // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the activation
+          const __m256i lo = _mm256_maddubs_epi16(_mm256_sign_epi8(low[c], low[c]), _mm256_sign_epi8(x_low, low[c]));
+          const __m256i hi = _mm256_maddubs_epi16(_mm256_sign_epi8(high[c], high[c]), _mm256_sign_epi8(x_high, high[c]));
+          isum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+        }
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(dw + c * lane_stride + p * 8));
+        acc[r][c] = _mm256_fmadd_ps(scaled, dx, acc[r][c]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum8(acc[r][c]) + mins[r][c];
+    for (int c = 0; c < C; ++c) {
+      float value = hsum8(acc[r][c]);
+      if constexpr (FMT == Q4_1) value += hsum8(minimum_sums(m16 + c * padded, a.sums.data() + (row + r) * padded, padded));
+      out[r * ldo + c] = value;
+    }
 }
 #else
-// the same arithmetic on scalars (lane j of the 8 holds elements 4j..4j+3 of every block)
+// the same arithmetic on scalars (lane l of a pair: elements 4l..4l+3 and 16+4l..16+4l+3 of block
+// 2p for l < 4, of block 2p + 1 (as l - 4) for l >= 4)
 template <int FMT, int R, int C>
 inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                         const uint16_t* d16, const uint16_t* m16, float*, float* out, int64_t ldo) {
+                         const float* dw, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
+  const int64_t pairs = a.pairs, lane_stride = pairs * 8;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      const float* dx = a.d.data() + (row + r) * a.padded;
-      const float* sx = a.s.data() + (row + r) * a.padded;
+      const int8_t* xq = a.q.data() + (row + r) * pairs * 64;
+      const uint8_t* wq = w + c * stride;
       float acc[8] = {}, mins[8] = {};
-      for (int64_t b = 0; b < a.padded; ++b)
-        if (FMT == Q4_1) mins[b % 8] = std::fma(half_to_float(m16[c * a.padded + b]), sx[b], mins[b % 8]);
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const float scale = half_to_float(d16[c * a.padded + b]) * dx[b];
-        const int8_t* xq = a.q.data() + (row + r) * a.k + b * QBLOCK;
-        for (int j = 0; j < 8; ++j) {
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int l = 0; l < 8; ++l) {
           int32_t isum = 0;
-          for (int i = 4 * j; i < 4 * j + 4; ++i) {
-            const uint8_t* q = w + c * stride;
-            const int32_t wi = FMT == Q4_1 ? (i < 16 ? q[b * 16 + i] & 0x0f : q[b * 16 + i - 16] >> 4)
-                                           : static_cast<int8_t>(q[b * 32 + i]);
-            isum += wi * xq[i];
-          }
-          acc[j] = std::fma(scale, static_cast<float>(isum), acc[j]);
+          for (int half = 0; half < 2; ++half)
+            for (int i = 0; i < 4; ++i) {
+              const int64_t at = p * 64 + half * 32 + 4 * l + i;  // pair order: lanes 0-3 block 2p, 4-7 block 2p+1
+              const int32_t wi = FMT == Q4_1 ? (half == 0 ? wq[p * 32 + 4 * l + i] & 0x0f : wq[p * 32 + 4 * l + i] >> 4)
+                                             : static_cast<int8_t>(wq[at]);
+              isum += wi * xq[at];
+            }
+          const float scaled = static_cast<float>(isum) * dw[c * lane_stride + p * 8 + l];
+          acc[l] = std::fma(scaled, a.scale[(row + r) * lane_stride + p * 8 + l], acc[l]);
         }
+      float value = hsum8_scalar(acc);
+      if (FMT == Q4_1) {
+        for (int64_t b = 0; b < padded; ++b)
+          mins[b % 8] = std::fma(half_to_float(m16[c * padded + b]), a.sums[(row + r) * padded + b], mins[b % 8]);
+        value += hsum8_scalar(mins);
       }
-      out[r * ldo + c] = hsum8_scalar(acc) + hsum8_scalar(mins);
+      out[r * ldo + c] = value;
     }
 }
 #endif
 
 template <int FMT, int R>
-inline void int8_block(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t first, int64_t cols,
-                       float* scales, float* out) {
-  constexpr int C = R == 1 ? 4 : 2;  // accumulators R * C and C weight blocks within 16 ymm registers
-  const int64_t quant_stride = w.quants.size(1);
-  const uint8_t* q = w.quants.data_ptr<uint8_t>() + first * quant_stride;
-  const uint16_t* d16 = reinterpret_cast<const uint16_t*>(w.scale_d.data_ptr<int16_t>()) + first * w.padded;
+inline void int8_block(const ActivationBlocks& a, int64_t row, const Weight& w, const ColumnScales& scales,
+                       int64_t first, int64_t cols, float* out) {
+  constexpr int C = FMT == Q4_1 ? 2 : 1;  // accumulators and weight halves within 16 ymm (measured: C 4 at one row is slower)
+  const int64_t stride = w.quants.size(1), lane_stride = a.pairs * 8;
+  const uint8_t* q = w.quants.data_ptr<uint8_t>() + first * stride;
   const uint16_t* m16 = FMT == Q4_1 ? reinterpret_cast<const uint16_t*>(w.scale_m.data_ptr<int16_t>()) + first * w.padded
                                     : nullptr;
   float* o = out + row * w.out + first;
   int64_t c = 0;
   for (; c + C <= cols; c += C)
-    int8_columns<FMT, R, C>(a, row, q + c * quant_stride, quant_stride, d16 + c * w.padded,
-                            m16 ? m16 + c * w.padded : nullptr, scales, o + c, w.out);
+    int8_columns<FMT, R, C>(a, row, q + c * stride, stride, scales.d.data() + c * lane_stride,
+                            m16 ? m16 + c * w.padded : nullptr, w.padded, o + c, w.out);
   for (; c < cols; ++c)
-    int8_columns<FMT, R, 1>(a, row, q + c * quant_stride, quant_stride, d16 + c * w.padded,
-                            m16 ? m16 + c * w.padded : nullptr, scales, o + c, w.out);
+    int8_columns<FMT, R, 1>(a, row, q + c * stride, stride, scales.d.data() + c * lane_stride,
+                            m16 ? m16 + c * w.padded : nullptr, w.padded, o + c, w.out);
 }
 
 template <int FMT>
-inline void int8_rows(const ActivationBlocks& a, const Weight& w, int64_t first, int64_t cols, float* scales,
-                      float* out) {
+inline void int8_rows(const ActivationBlocks& a, const Weight& w, const ColumnScales& scales, int64_t first,
+                      int64_t cols, float* out) {
   for (int64_t r = 0; r < a.n; r += 4) {
     switch (std::min<int64_t>(a.n - r, 4)) {
-      case 1: int8_block<FMT, 1>(a, r, w, first, cols, scales, out); break;
-      case 2: int8_block<FMT, 2>(a, r, w, first, cols, scales, out); break;
-      case 3: int8_block<FMT, 3>(a, r, w, first, cols, scales, out); break;
-      default: int8_block<FMT, 4>(a, r, w, first, cols, scales, out); break;
+      case 1: int8_block<FMT, 1>(a, r, w, scales, first, cols, out); break;
+      case 2: int8_block<FMT, 2>(a, r, w, scales, first, cols, out); break;
+      case 3: int8_block<FMT, 3>(a, r, w, scales, first, cols, out); break;
+      default: int8_block<FMT, 4>(a, r, w, scales, first, cols, out); break;
     }
   }
 }
@@ -679,11 +727,12 @@ void int8_matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
   const ActivationBlocks a = quantize_rows(x, n, w.in);
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scales(4 * 4 * a.padded);  // [R * C, padded]
+    ColumnScales scales;
     for (int64_t block = begin; block < end; ++block) {
       const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
-      if (w.format == Q4_1) int8_rows<Q4_1>(a, w, first, cols, scales.data(), out);
-      else int8_rows<Q8_0>(a, w, first, cols, scales.data(), out);
+      scales.fill(w, a.pairs, first, cols);
+      if (w.format == Q4_1) int8_rows<Q4_1>(a, w, scales, first, cols, out);
+      else int8_rows<Q8_0>(a, w, scales, first, cols, out);
       add_bias(w, n, first, cols, out);
     }
   });
