@@ -90,7 +90,11 @@ def step_run(lab: LabState, run: Run, epoch: int | None = None, clicked_at: floa
             return None
         if run.session.finished:  # another request finished it while this one waited
             raise _finished_notice(run)
-        return run_on_tensor_thread(run.session.step)  # a finished session frees its own KV cache
+        run.stepping = True
+        try:
+            return run_on_tensor_thread(run.session.step)  # a finished session frees its own KV cache
+        finally:
+            run.stepping = False
     finally:
         lab.lock.release()
 

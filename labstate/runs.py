@@ -28,6 +28,7 @@ class Run:
     note: str = ""
     mode: str = READY  # READY after Start, PAUSED after a Step, RUNNING inside Run to end, STOPPED after Stop
     page_seconds: list[float] = field(default_factory=list)  # drawing each view of this run (the page's, not decoding's)
+    stepping: bool = False  # a step of this run is in flight (Stop waits for it to end)
 
     @property
     def reference_key(self) -> tuple[str, str, int]:
@@ -35,13 +36,15 @@ class Run:
 
     @property
     def state(self) -> str:
-        """The run's state in words: finished (why), running, stopped, paused after step N, or ready."""
+        """The run's state in words: finished (why), running, stopping, stopped, paused after step N, or ready."""
         session = self.session
         if session.finished:
             return f"finished: {session.stop_reason}"
         steps = len(session.records)
         if self.mode == RUNNING:
             return "running"
+        if self.mode == STOPPED and self.stepping:  # Stop came while a step ran: it ends first
+            return f"stopping: step {steps + 1} is ending"
         if self.mode == STOPPED:
             return f"stopped after step {steps}" if steps else "stopped"
         if steps:

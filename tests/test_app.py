@@ -324,6 +324,25 @@ def test_a_step_that_waited_through_stop_is_dropped():
     assert labstate.step_run(lab, run, lab.epoch) is not None
 
 
+def test_a_run_stopped_while_its_step_is_in_flight_says_stopping(monkeypatch):
+    """Stop during a step: until that step ends the run says "stopping", then "stopped after step N"
+    with the step that ran counted (a redraw in between once said "stopped after step 7", then 8)."""
+    lab = labstate.LabState()
+    run = labstate.start_run(lab, PROMPT_A, FP32_DYNAMIC)
+    states = []
+    step = run.session.step
+
+    def step_with_stop_inside():
+        lab.stop()
+        states.append(run.state)
+        return step()
+
+    monkeypatch.setattr(run.session, "step", step_with_stop_inside)
+    assert labstate.step_run(lab, run) is not None
+    assert states == ["stopping: step 1 is ending"]
+    assert run.state == "stopped after step 1"
+
+
 def test_a_step_clicked_before_stop_that_read_the_epoch_after_it_is_dropped():
     """The race CI saw once ("stopped after step 8", then 9): a Step passed its early clicked-before-Stop
     check just before Stop, read the epoch just after it, and got the lock after Stop had drawn the run."""
@@ -345,7 +364,7 @@ def test_defaults_are_the_setting_that_wins_on_a_cpu():
     fast = "bf16" if choice.device == "cuda" or measured_fast else "fp32"
     if choice.exact:  # every precision exact on the kernels: the cheapest plain step + small tree
         costs = {"fp32": choice.fp32_ms + choice.fp32_tree_ms, "bf16": choice.bf16_ms + choice.bf16_tree_ms,
-                 "gguf": choice.gguf_ms + choice.gguf_tree_ms}
+                 "gguf": choice.gguf_ms + choice.gguf_tree_ms, "gguf-q8": choice.gguf_q8_ms + choice.gguf_q8_tree_ms}
         fast = min(costs, key=costs.get)
     assert default_precision() == fast == choice.dtype
     assert (settings.precision, settings.strategy, settings.auto_budget, settings.lookup) == (fast, DYNAMIC, True,

@@ -263,9 +263,10 @@ def test_a_precision_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path,
 
 
 @pytest.mark.parametrize("times, expected", [
-    ({"fp32": (5.0, 9.0), "bf16": (4.6, 9.0), "gguf": (4.4, 8.7)}, "gguf"),
-    ({"fp32": (5.0, 9.0), "bf16": (14.6, 21.0), "gguf": (7.0, 12.0)}, "fp32"),
-    ({"fp32": (9.0, 12.0), "bf16": (5.0, 7.0), "gguf": (6.0, 9.0)}, "bf16"),
+    ({"fp32": (5.0, 9.0), "bf16": (4.6, 9.0), "gguf": (4.4, 8.7), "gguf-q8": (4.5, 9.0)}, "gguf"),
+    ({"fp32": (5.0, 9.0), "bf16": (14.6, 21.0), "gguf": (7.0, 12.0), "gguf-q8": (6.0, 12.0)}, "fp32"),
+    ({"fp32": (9.0, 12.0), "bf16": (5.0, 7.0), "gguf": (6.0, 9.0), "gguf-q8": (5.5, 8.0)}, "bf16"),
+    ({"fp32": (25.6, 30.0), "bf16": (12.6, 17.6), "gguf": (8.9, 22.3), "gguf-q8": (4.9, 16.9)}, "gguf-q8"),
 ])
 def test_with_exact_kernels_the_fastest_precision_is_the_default(tmp_path, monkeypatch, times, expected):
     """Every precision is exact on the kernels, so the one whose plain step plus small tree costs least wins."""

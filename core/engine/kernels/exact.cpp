@@ -534,6 +534,50 @@ inline float hsum8_scalar(const float* v) {  // hsum8's tree, on scalars
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
+// one block of 32 inputs to 8 bits: its scale d = amax / 127, q = x / d rounded to nearest (ties to
+// even: the CPU's rounding, the same in both versions), written at block b's places of the pair order
+#if defined(__AVX2__)
+inline void quantize_block(const float* v, int64_t b, int8_t* q, float& d, int32_t& sum) {
+  __m256 x[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  d = _mm_cvtss_f32(m) / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  sum = _mm_cvtsi128_si32(t);
+  // (packs work within 128-bit lanes: the permute puts the 32 bytes back in element order)
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + pair_offset(b, 0)), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + pair_offset(b, 16)), _mm256_extracti128_si256(bytes, 1));
+}
+#else
+inline void quantize_block(const float* v, int64_t b, int8_t* q, float& d, int32_t& sum) {
+  float amax = 0.0f;
+  for (int i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+  d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  sum = 0;
+  for (int i = 0; i < QBLOCK; ++i) {
+    const int32_t value = static_cast<int32_t>(std::nearbyint(v[i] * inverse));
+    q[pair_offset(b, i)] = static_cast<int8_t>(value);
+    sum += value;
+  }
+}
+#endif
+
 ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k) {
   const int64_t blocks = k / QBLOCK, pairs = (blocks + 1) / 2;
   ActivationBlocks a{n, blocks, pairs, (blocks + 7) / 8 * 8, {}, {}, {}};
@@ -543,15 +587,10 @@ ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k) {
   for (int64_t r = 0; r < n; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + r * k + b * QBLOCK;
-      float amax = 0.0f;
-      for (int i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0;
-      for (int i = 0; i < QBLOCK; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inverse));  // to nearest, ties to even
-        a.q[r * pairs * 64 + pair_offset(b, i)] = static_cast<int8_t>(q);
-        sum += q;
-      }
+      int8_t* q = a.q.data() + r * pairs * 64;
+      float d;
+      int32_t sum;
+      quantize_block(v, b, q, d, sum);
       for (int i = 0; i < 4; ++i) a.scale[r * pairs * 8 + (b / 2) * 8 + (b % 2) * 4 + i] = d;
       a.sums[r * a.padded + b] = d * static_cast<float>(sum);
     }
