@@ -53,11 +53,11 @@ def compare(modules: list[ModuleType], rows: list[int]) -> None:
 
 
 def compare_forwards(modules: list[ModuleType], context: int = 150) -> None:
-    from core.engine.exact import ExactLlama
+    from core.engine.exact import GGUF_MODES, ExactLlama
     location = gguf_location()
-    for mode in ("gguf", "fp32"):
+    for mode in ("gguf-q8", "gguf", "fp32"):
         base = load_base_model(ModelConfig(dtype=mode))
-        gguf = location[0] / location[1] if mode == "gguf" and location else None
+        gguf = location[0] / location[1] if mode in GGUF_MODES and location else None
         engines = [ExactLlama(base.engine.lean, module, mode, gguf) for module in modules]
         caches = [engine.new_cache() for engine in engines]
         prompt = torch.arange(1000, 1000 + context)

@@ -2,7 +2,8 @@
 
 For each precision: the weight bytes a step reads and the time to stream them once (from this
 machine's measured read bandwidth), a plain step (one row, forward + logits) and a verify of
-1-64 rows over a 100-token cache (forward + logits of every row), median of 7. Run it alone.
+1-64 rows over a 100-token cache (forward + logits of every row), median of 11 after 3 warm-up
+calls. Run it alone.
 
     PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf-q8 gguf fp32 bf16] [--out FILE.json]
 """
@@ -20,6 +21,7 @@ from core.model import ModelConfig, load_base_model
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 100
+REPEATS = 11
 
 
 def read_bandwidth_gb_s() -> float:
@@ -41,7 +43,10 @@ def costs(precision: str, bandwidth: float) -> dict:
         engine.project(hidden)
         cache.crop(CONTEXT)
 
-    by_rows = {rows: round(median_ms(lambda: verify(rows), 7), 2) for rows in ROWS}
+    for rows in ROWS:  # warm: the first calls of a size pay for allocations and cold caches
+        for _ in range(3):
+            verify(rows)
+    by_rows = {rows: round(median_ms(lambda: verify(rows), REPEATS), 2) for rows in ROWS}
     weight_bytes = getattr(engine, "weight_bytes", 0)
     return {"precision": precision, "engine": base.engine_name,
             "detail": engine.describe() if hasattr(engine, "describe") else base.engine_name,
