@@ -129,7 +129,7 @@ BAD_INPUTS = [
                                               r"dynamic:auto, dynamic:auto\+lookup, dynamic:auto\+lookup\+store, hydra, "
                                               r"hydra:auto, hydra:auto\+lookup, eagle, eagle:auto, eagle:auto\+lookup, "
                                               r"got 'beam'"),
-    ("start", PROMPT_A, {"precision": "fp8"}, r"precision must be one of fp32, bf16, gguf, got 'fp8'"),
+    ("start", PROMPT_A, {"precision": "fp8"}, r"precision must be one of fp32, bf16, gguf, gguf-q8, got 'fp8'"),
     ("start", PROMPT_A, {"fixed_preset": "../../etc/passwd"}, r"unknown fixed tree '../../etc/passwd'"),
     ("start", PROMPT_A, {"compare_fixed": "yes"}, r"compare with the fixed tree must be true or false"),
     # the custom tree box
