@@ -187,7 +187,10 @@ enum Format : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_1 = 3 };
 constexpr int QBLOCK = 32;
 
 // where element i of block b sits in the pair order of the 8-bit product (gguf-q8, below)
-inline int64_t pair_offset(int64_t b, int64_t i) { return (b / 2) * 64 + (i / 16) * 32 + (b % 2) * 16 + i % 16; }
+// (the pair's two blocks alternate in 4-byte groups: 32-bit lane l holds block 2p + l % 2)
+inline int64_t pair_offset(int64_t b, int64_t i) {
+  return (b / 2) * 64 + (i / 16) * 32 + 4 * (2 * ((i % 16) / 4) + b % 2) + i % 4;
+}
 
 int64_t row_bytes(int format, int64_t k) {
   switch (format) {
@@ -268,7 +271,7 @@ struct Weight {
   void split_blocks() {
     TORCH_CHECK(format == Q8_0 || format == Q4_1, "8-bit activations need Q8_0 or Q4_1 blocks");
     const int64_t blocks = in / QBLOCK, pairs = (blocks + 1) / 2, block_bytes = stride / blocks;
-    const int64_t pair_bytes = format == Q4_1 ? 32 : 64;  // Q4_1: both blocks' 16 nibble bytes, in turn
+    const int64_t pair_bytes = format == Q4_1 ? 32 : 64;  // Q4_1: both blocks' 16 nibble bytes, interleaved
     padded = (blocks + 7) / 8 * 8;
     quants = torch::zeros({out, pairs * pair_bytes}, torch::kUInt8);
     scale_d = torch::zeros({out, padded}, torch::kInt16);
@@ -287,7 +290,7 @@ struct Weight {
         std::memcpy(d + c * padded + b, block, 2);
         if (format == Q4_1) {
           std::memcpy(m + c * padded + b, block + 2, 2);
-          std::memcpy(row + b * 16, block + 4, 16);
+          for (int k = 0; k < 16; ++k) row[(b / 2) * 32 + 4 * (2 * (k / 4) + b % 2) + k % 4] = block[4 + k];
         } else {
           for (int i = 0; i < QBLOCK; ++i) row[pair_offset(b, i)] = block[2 + i];
         }
@@ -523,12 +526,12 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 // ---- 8-bit activations (mode gguf-q8): llama.cpp's arithmetic, row-invariant ----------------------
 // Each input row is cut into blocks of 32 and rounded to 8 bits per block, on its own (d = amax / 127,
 // q = round(x / d), s = d * sum(q)): a row's integers never depend on the other rows. Blocks go in
-// pairs (2p, 2p + 1), a pair's 64 numbers in the order [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 |
-// 2p+1: 16-31], weights and activations alike, so one 256-bit vector holds both blocks' low (or
-// high) halves and, after the integer dot products (exact), 32-bit lanes 0-3 hold block 2p's sums
-// and lanes 4-7 block 2p+1's. Per output element, per pair: acc = fma(isum * dw, dx, acc) in 8
-// float lanes, pairs in order, then the fixed 8-lane sum and Q4_1's minimum term (an 8-lane sum of
-// mw * s over the blocks). The same sequence for every row, whatever the row count or the tile.
+// pairs (2p, 2p + 1): a pair's low halves (elements 0-15 of each) fill one 256-bit vector, the two
+// blocks alternating in groups of 4 bytes, and its high halves another, weights and activations
+// alike, so after the integer dot products (exact) 32-bit lane l holds block 2p + l % 2's sums and
+// each lane's scale is one of two fp16 numbers read together. Per output element, per pair:
+// acc = fma(isum * dw, dx, acc) in 8 float lanes, pairs in order, then the fixed 8-lane sum and
+// Q4_1's minimum term (an 8-lane sum of mw * s over the blocks). The same sequence for every row, whatever the row count or the tile.
 // AVX2 intrinsics where the CPU has them; the scalar version of the same arithmetic elsewhere (and
 // with -DEXACT_SCALAR_INT8, so a test can check the two give the same bits)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(EXACT_SCALAR_INT8)
@@ -539,7 +542,7 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 struct ActivationBlocks {
   int64_t n, blocks, pairs, padded;  // padded: blocks rounded up to whole 8-lane vectors
   std::vector<int8_t> q;             // [n, pairs * 64], pair order, zero in a padding block
-  std::vector<float> scale;          // [n, pairs * 8]: d of block 2p in lanes 0-3, of 2p + 1 in lanes 4-7
+  std::vector<float> scale;          // [n, pairs * 8]: d of block 2p in even lanes, of 2p + 1 in odd ones
   std::vector<float> sums;           // [n, padded]: each block's d * sum(q), zero past the last block
 };
 
@@ -573,8 +576,9 @@ inline void quantize_block(const float* v, int64_t b, int8_t* q, float& d, int32
   const __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + pair_offset(b, 0)), _mm256_castsi256_si128(bytes));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + pair_offset(b, 16)), _mm256_extracti128_si256(bytes, 1));
+  alignas(32) int8_t ordered[QBLOCK];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ordered), bytes);
+  for (int i = 0; i < QBLOCK; i += 4) std::memcpy(q + pair_offset(b, i), ordered + i, 4);
 }
 #else
 inline void quantize_block(const float* v, int64_t b, int8_t* q, float& d, int32_t& sum) {
@@ -604,35 +608,11 @@ ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k) {
       float d;
       int32_t sum;
       quantize_block(v, b, q, d, sum);
-      for (int i = 0; i < 4; ++i) a.scale[r * pairs * 8 + (b / 2) * 8 + (b % 2) * 4 + i] = d;
+      for (int64_t l = b % 2; l < 8; l += 2) a.scale[r * pairs * 8 + (b / 2) * 8 + l] = d;
       a.sums[r * a.padded + b] = d * static_cast<float>(sum);
     }
   return a;
 }
-
-// A block of columns' d scales in pair lanes (as the activations' scale), [cols, pairs * 8], per thread
-struct ColumnScales {
-  std::vector<float> d;
-  void fill(const Weight& w, int64_t pairs, int64_t first, int64_t cols) {
-    d.resize(cols * pairs * 8);
-    const uint16_t* d16 = w.d16 + first * w.padded;
-    for (int64_t c = 0; c < cols; ++c) {
-      float* lanes = d.data() + c * pairs * 8;
-#if INT8_VECTORS
-      for (int64_t b = 0; b < 2 * pairs; b += 8) {  // 8 blocks' scales, then each pair's two spread to 4 lanes each
-        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + c * w.padded + b)));
-        for (int64_t j = 0; j < 4 && b / 2 + j < pairs; ++j) {
-          const __m256i spread = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-          _mm256_storeu_ps(lanes + (b / 2 + j) * 8, _mm256_permutevar8x32_ps(v, spread));
-        }
-      }
-#else
-      for (int64_t b = 0; b < 2 * pairs; ++b)
-        for (int i = 0; i < 4; ++i) lanes[(b / 2) * 8 + (b % 2) * 4 + i] = half_to_float(d16[c * w.padded + b]);
-#endif
-    }
-  }
-};
 
 #if INT8_VECTORS
 inline float hsum8(__m256 v) {
@@ -651,10 +631,10 @@ inline __m256 minimum_sums(const uint16_t* m16, const float* sx, int64_t padded)
   return m;
 }
 
-// R rows x C columns: w the first column's quants (stride bytes apart), dw / mw its scales
+// R rows x C columns: w the first column's quants (stride bytes apart), d16 / m16 its fp16 scales
 template <int FMT, int R, int C>
 inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                         const float* dw, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
+                         const uint16_t* d16, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
   const int64_t pairs = a.pairs, lane_stride = pairs * 8;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -668,7 +648,11 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
     if constexpr (FMT == Q8_0)
       _mm_prefetch(reinterpret_cast<const char*>(w + 4 * C * stride + p * pair_bytes + 32), _MM_HINT_T0);
     __m256i low[C], high[C];
+    __m256 dw[C];  // d of blocks 2p and 2p + 1, alternating, as the lanes hold them
     for (int c = 0; c < C; ++c) {
+      int32_t both;
+      std::memcpy(&both, d16 + c * padded + 2 * p, 4);
+      dw[c] = _mm256_cvtph_ps(_mm_set1_epi32(both));
       if constexpr (FMT == Q4_1) {  // low nibbles: elements 0-15 of both blocks; high: 16-31
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 32));
         low[c] = _mm256_and_si256(v, nibble);
@@ -694,7 +678,7 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
           const __m256i hi = _mm256_maddubs_epi16(_mm256_sign_epi8(high[c], high[c]), _mm256_sign_epi8(x_high, high[c]));
           isum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
         }
-        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(dw + c * lane_stride + p * 8));
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw[c]);
         acc[r][c] = _mm256_fmadd_ps(scaled, dx, acc[r][c]);
       }
     }
@@ -707,11 +691,11 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
     }
 }
 #else
-// the same arithmetic on scalars (lane l of a pair: elements 4l..4l+3 and 16+4l..16+4l+3 of block
-// 2p for l < 4, of block 2p + 1 (as l - 4) for l >= 4)
+// the same arithmetic on scalars (lane l of a pair: elements 4j..4j+3 and 16+4j..16+4j+3, j = l / 2, of
+// block 2p + l % 2)
 template <int FMT, int R, int C>
 inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                         const float* dw, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
+                         const uint16_t* d16, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
   const int64_t pairs = a.pairs, lane_stride = pairs * 8;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
@@ -728,7 +712,7 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
                                              : static_cast<int8_t>(wq[at]);
               isum += wi * xq[at];
             }
-          const float scaled = static_cast<float>(isum) * dw[c * lane_stride + p * 8 + l];
+          const float scaled = static_cast<float>(isum) * half_to_float(d16[c * padded + 2 * p + l % 2]);
           acc[l] = std::fma(scaled, a.scale[(row + r) * lane_stride + p * 8 + l], acc[l]);
         }
       float value = hsum8_scalar(acc);
@@ -743,31 +727,33 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
 #endif
 
 template <int FMT, int R>
-inline void int8_block(const ActivationBlocks& a, int64_t row, const Weight& w, const ColumnScales& scales,
-                       int64_t first, int64_t cols, float* out) {
-  constexpr int C = FMT == Q4_1 ? 2 : 1;  // accumulators and weight halves within 16 ymm (measured: C 4 at one row is slower)
-  const int64_t stride = w.quant_stride, lane_stride = a.pairs * 8;
+inline void int8_block(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t first, int64_t cols,
+                       float* out) {
+  // R * C accumulators, 2 C weight halves and C scales within 16 ymm registers (measured on a Zen 3:
+  // 2 columns from 3 rows on spill, 4 at one row are slower)
+  constexpr int C = FMT == Q4_1 && R <= 2 ? 2 : 1;
+  const int64_t stride = w.quant_stride;
   const uint8_t* q = w.quant_bytes + first * stride;
   const uint16_t* m16 = FMT == Q4_1 ? w.m16 + first * w.padded : nullptr;
   float* o = out + row * w.out + first;
   int64_t c = 0;
   for (; c + C <= cols; c += C)
-    int8_columns<FMT, R, C>(a, row, q + c * stride, stride, scales.d.data() + c * lane_stride,
+    int8_columns<FMT, R, C>(a, row, q + c * stride, stride, w.d16 + (first + c) * w.padded,
                             m16 ? m16 + c * w.padded : nullptr, w.padded, o + c, w.out);
   for (; c < cols; ++c)
-    int8_columns<FMT, R, 1>(a, row, q + c * stride, stride, scales.d.data() + c * lane_stride,
+    int8_columns<FMT, R, 1>(a, row, q + c * stride, stride, w.d16 + (first + c) * w.padded,
                             m16 ? m16 + c * w.padded : nullptr, w.padded, o + c, w.out);
 }
 
 template <int FMT>
-inline void int8_rows(const ActivationBlocks& a, const Weight& w, const ColumnScales& scales, int64_t first,
+inline void int8_rows(const ActivationBlocks& a, const Weight& w, int64_t first,
                       int64_t cols, float* out) {
   for (int64_t r = 0; r < a.n; r += 4) {
     switch (std::min<int64_t>(a.n - r, 4)) {
-      case 1: int8_block<FMT, 1>(a, r, w, scales, first, cols, out); break;
-      case 2: int8_block<FMT, 2>(a, r, w, scales, first, cols, out); break;
-      case 3: int8_block<FMT, 3>(a, r, w, scales, first, cols, out); break;
-      default: int8_block<FMT, 4>(a, r, w, scales, first, cols, out); break;
+      case 1: int8_block<FMT, 1>(a, r, w, first, cols, out); break;
+      case 2: int8_block<FMT, 2>(a, r, w, first, cols, out); break;
+      case 3: int8_block<FMT, 3>(a, r, w, first, cols, out); break;
+      default: int8_block<FMT, 4>(a, r, w, first, cols, out); break;
     }
   }
 }
@@ -784,12 +770,10 @@ void int8_matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
   const ActivationBlocks a = quantize_rows(x, n, w.in);
   const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    ColumnScales scales;
     for (int64_t block = begin; block < end; ++block) {
       const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
-      scales.fill(w, a.pairs, first, cols);
-      if (w.format == Q4_1) int8_rows<Q4_1>(a, w, scales, first, cols, out);
-      else int8_rows<Q8_0>(a, w, scales, first, cols, out);
+      if (w.format == Q4_1) int8_rows<Q4_1>(a, w, first, cols, out);
+      else int8_rows<Q8_0>(a, w, first, cols, out);
       add_bias(w, n, first, cols, out);
     }
   });
