@@ -4,9 +4,10 @@ Builds each source (under /tmp/kernel_builds/<name>, the flags of core.engine.bu
 every weight format gives bitwise the same product from both for every row count, and prints the
 ms of the shipped model's 30 layers of products (random weights, median of 5) per format and row
 count, old/new (the gguf-q8 formats, Q4_1 / Q8_0 blocks times 8-bit inputs, where both builds have
-them); with --no-check the times alone, for a change that is meant to change the numbers (then
-check it against tests/test_exact.py's references instead); with --forward, the same for the shipped model's whole forward and logits (gguf and
-fp32; 1, 16 and 64 new rows under a random tree mask over a 150-token cache). Run it alone (it times):
+them); with --no-check the times alone, for a change meant to change the numbers (check those
+against tests/test_exact.py's references instead); with --forward, the same for the shipped model's
+whole forward and logits (gguf-q8, gguf and fp32; 1, 16 and 64 new rows under a random tree mask over
+a 150-token cache). Run it alone (it times):
 
     git show HEAD:core/engine/kernels/exact.cpp > /tmp/old.cpp
     PYTHONPATH=. .venv/bin/python scripts/compare_kernel_builds.py /tmp/old.cpp core/engine/kernels/exact.cpp \
