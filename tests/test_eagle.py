@@ -8,6 +8,8 @@ import torch
 
 from core.decoder import DecodeConfig, decode, strategy_config
 from core.drafters.eagle import EagleConfig, EagleLayer, grow_eagle_tree, load_eagle
+from core.drafters.grown import GrownNode, best_first, grow_parallel
+from core.drafters.medusa import ranked
 from core.families import FAMILIES, MEDUSA
 from core.strategy import StrategySpec, parse_strategy
 from core.verify import forward_tokens
@@ -125,6 +127,97 @@ def test_eagle_grown_tree_is_a_best_first_tree(base, eagle):
     table = grown.token_table.tolist()
     pairs = [(p[:-1], table[len(p) - 1][p[-1]]) for p in tree.paths]
     assert len(pairs) == len(set(pairs))  # no token twice under one parent
+
+
+def _alone(layer, cache, root_state, embed, projection, tokens: tuple[int, ...], count: int) -> list[tuple[float, int]]:
+    """Brute force: the node reached by `tokens` drafted on its own (a chain of one-row draft calls
+    down its path, each seeing the cache and its ancestors only), and its top `count` children."""
+    state, keys, values = root_state, None, None
+    for depth, token in enumerate(tokens, start=1):
+        out, k, v = layer.draft(cache, state[None], embed(torch.tensor([token])), depth,
+                                None if keys is None else (keys, values), torch.ones(1, depth - 1, dtype=torch.bool))
+        keys = k if keys is None else torch.cat([keys, k], dim=1)
+        values = v if values is None else torch.cat([values, v], dim=1)
+        state = out[0]
+    logits = projection.rows_logits(layer.draft_states(state[None]), projection.weight.shape[0])  # [1, V]
+    probs, ids = ranked(logits, count, projection)
+    return list(zip(probs[0].tolist(), ids[0].tolist()))
+
+
+def eagle2_reference(children, *, budget: int, width: int, beam: int, depth: int) -> dict[tuple[int, ...], float]:
+    """EAGLE-2's expansion and rerank written out by token paths: the root's `width` children; at
+    each depth the `beam` best nodes by joint probability each get their `min(width, beam)` best
+    children; then the `budget` best nodes of all (ties to the shallower)."""
+    level = {(token,): p for p, token in children((), width)}
+    every = dict(level)
+    for _ in range(1, depth):
+        frontier = sorted(level, key=lambda path: -level[path])[:min(beam, budget)]
+        level = {path + (token,): level[path] * p for path in frontier for p, token in children(path, min(width, beam))}
+        every.update(level)
+    return dict(sorted(every.items(), key=lambda item: (-item[1], len(item[0])))[:budget])
+
+
+@pytest.mark.parametrize("budget, width, beam, depth", [(30, 6, 4, 4), (24, 5, 3, 5), (40, 8, 8, 3)])
+def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth):
+    """The batched growth (one draft call per depth, ancestor masks) keeps exactly the nodes, with
+    their joint probabilities, that EAGLE-2's expansion and rerank over nodes drafted one by one keep."""
+    layer = _double_layer(3)
+    torch.manual_seed(4)
+    embed = torch.nn.Embedding.from_pretrained(torch.randn(50, 32, dtype=torch.double))
+    lm_head = torch.nn.Linear(32, 50, bias=False).double()
+    torch.nn.init.normal_(lm_head.weight, std=2.0)
+    layer.draft_vocab.copy_(torch.arange(50))
+    projection = layer.draft_projection(lm_head)
+    _, cache = layer.extend(None, torch.randn(6, 96, dtype=torch.double), torch.randn(6, 32, dtype=torch.double))
+    root = torch.randn(32, dtype=torch.double)
+    grown = grow_eagle_tree(layer, embed, projection, cache, root, budget=budget, width=width, beam=beam, depth=depth)
+    table = grown.token_table.tolist()
+    got = {tuple(table[d][c] for d, c in enumerate(path)): score for path, score in zip(grown.tree.paths, grown.tree.scores)}
+    expected = eagle2_reference(lambda tokens, count: _alone(layer, cache, root, embed, projection, tokens, count),
+                                budget=budget, width=width, beam=beam, depth=depth)
+    assert got.keys() == expected.keys()
+    assert max(len(path) for path in got) == depth  # the deepest depth kept: every ancestor mask mattered
+    for path, score in expected.items():
+        assert got[path] == pytest.approx(score, rel=1e-9), path
+
+
+def test_gumiho_hands_the_later_depths_to_parallel_heads():
+    """Below the `beam` best nodes of the serial depths, every parent gets head d's same top guesses,
+    scored by the parent's joint score times the head's probability; serial nodes stay as they were."""
+    serial = [GrownNode(path=(0,), tokens=(5,), score=0.5), GrownNode(path=(1,), tokens=(6,), score=0.3),
+              GrownNode(path=(0, 0), tokens=(5, 7), score=0.4), GrownNode(path=(0, 1), tokens=(5, 8), score=0.05),
+              GrownNode(path=(1, 0), tokens=(6, 9), score=0.2)]
+    head_probs = torch.tensor([[0.9, 0.1, 0.0], [0.8, 0.1, 0.05], [0.6, 0.3, 0.1], [0.5, 0.4, 0.1]])  # [D, m]
+    head_ids = torch.tensor([[1, 2, 3], [4, 5, 6], [11, 12, 13], [21, 22, 23]])
+    nodes = grow_parallel(serial, head_probs, head_ids, first_depth=3, beam=2, children=2)
+    assert nodes[:len(serial)] == serial
+    depth3 = {n.tokens: n.score for n in nodes if len(n.path) == 3}
+    assert depth3 == pytest.approx({(5, 7, 11): 0.4 * 0.6, (5, 7, 12): 0.4 * 0.3, (6, 9, 11): 0.2 * 0.6,
+                                    (6, 9, 12): 0.2 * 0.3})
+    depth4 = {n.tokens: n.score for n in nodes if len(n.path) == 4}
+    assert depth4 == pytest.approx({(5, 7, 11, 21): 0.24 * 0.5, (5, 7, 11, 22): 0.24 * 0.4,
+                                    (5, 7, 12, 21): 0.12 * 0.5, (5, 7, 12, 22): 0.12 * 0.4})
+    assert not any(len(n.path) > 4 for n in nodes)
+    tree = best_first(nodes, 6, head_probs, head_ids, kind="eagle").tree
+    assert tree.num_nodes == 6 and tree.scores == sorted(tree.scores, reverse=True)
+
+
+def test_the_draft_layers_cache_is_one_causal_pass_over_what_was_accepted(base, eagle):
+    """After steps that accepted several tokens and steps that rejected every draft node, the
+    session's draft-layer cache equals one causal pass over the accepted rows: no rejected node
+    entered it, no accepted row is missing."""
+    session = decode(base, eagle, PROMPT, DecodeConfig(spec="eagle:12+lookup", max_new_tokens=40, top_m=6,
+                                                       lookup_tokens=6))
+    drafter = session.heads_drafter
+    accepted = [len(r.outcome.accepted_tokens) for r in session.records if r.outcome is not None]
+    assert max(accepted) >= 2 and min(accepted) == 0  # steps that accepted and steps that rejected
+    rows = drafter.seen_rows
+    features = torch.cat(session.feature_history)[:rows].to(drafter.dtype)  # [rows, 3H]
+    following = torch.tensor(session.output_ids[:rows])  # history row i is followed by output token i
+    _, whole = drafter.layer.extend(None, features, drafter.embed(following))
+    assert drafter.cache.length == rows > 20
+    assert torch.allclose(drafter.cache.keys, whole.keys, atol=1e-5)
+    assert torch.allclose(drafter.cache.values, whole.values, atol=1e-5)
 
 
 def test_eagle_saves_loads_and_refuses_other_weights(eagle, tmp_path):

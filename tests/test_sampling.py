@@ -12,9 +12,11 @@ from core.decoder import DecodeConfig, PageViews, start_session
 from core.strategy import StrategySpec
 from core.drafters.medusa import HeadsConfig, MedusaHeads
 from core.drafters.datastore import TokenStore
+from core.drafters.eagle import EagleLayer
 from core.drafters.hydra import HydraConfig, HydraHeads
 from core.model import BaseModel, ModelConfig
 from core.sampling import SamplingConfig, sampling_probs
+from tests.tiny import tiny_eagle
 
 VOCAB = 6
 DRAWS = 10_000  # 2.5x the draws that already expose typical acceptance's bias (the control below)
@@ -61,10 +63,10 @@ def exact_three_token_distribution(base: BaseModel, sampling: SamplingConfig) ->
     return picked.prod(dim=1).double()
 
 
-def draw_counts(base: BaseModel, heads: MedusaHeads | HydraHeads, rule: str, sampling: SamplingConfig,
+def draw_counts(base: BaseModel, heads: MedusaHeads | HydraHeads | EagleLayer, rule: str, sampling: SamplingConfig,
                 draws: int = DRAWS, store: TokenStore | None = None) -> torch.Tensor:
     counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
-    strategy = "hydra" if isinstance(heads, HydraHeads) else "dynamic"
+    strategy = heads.family  # the family these weights draft for: dynamic (Medusa), hydra or eagle
     spec = StrategySpec(strategy, budget=10, lookup=store is not None, store=store is not None)
     config = DecodeConfig(spec=spec, top_m=3, depth=3, max_new_tokens=3,
                           accept=AcceptConfig(rule=rule, sampling=sampling), hydra_beam=3, lookup_tokens=3, store_tokens=3)
@@ -121,6 +123,16 @@ def test_hydra_tree_speculative_sampling_matches_plain_sampling(tiny, tiny_hydra
     sampling = SamplingConfig(temperature=1.0)
     exact = exact_three_token_distribution(base, sampling)
     assert total_variation(draw_counts(base, tiny_hydra, "speculative", sampling), exact) < null_threshold(exact)
+
+
+def test_eagle_tree_speculative_sampling_matches_plain_sampling(tiny):
+    """EAGLE's grown tree (its draft layer reads the tapped features and its own states) keeps plain
+    sampling's distribution under speculative acceptance."""
+    base, _ = tiny
+    sampling = SamplingConfig(temperature=1.0)
+    exact = exact_three_token_distribution(base, sampling)
+    layer = tiny_eagle(base, std=0.3, seed=2)
+    assert total_variation(draw_counts(base, layer, "speculative", sampling), exact) < null_threshold(exact)
 
 
 def test_control_typical_acceptance_with_hydra_is_biased(tiny, tiny_hydra):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from core.drafters.grown import GrownNode, GrownTree, best_first
+from core.drafters.grown import GrownNode, GrownTree, best_first, expand
 from core.drafters.layers import RMSNorm, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
@@ -290,19 +290,34 @@ def shipped_eagle(base: BaseModel) -> tuple[EagleLayer | None, str]:
     return layer, ("an EAGLE draft layer from assets/eagle" if layer is not None else "")
 
 
+@dataclass
+class Growth:
+    """Nodes grown so far and the drafter's greedy row per depth (for the heads table)."""
+
+    nodes: list[GrownNode]
+    greedy_probs: list[torch.Tensor]  # per depth [m]
+    greedy_ids: list[torch.Tensor]  # per depth [m]
+
+    def best(self, budget: int, kind: str) -> GrownTree:
+        """The `budget` best nodes as a tree (`core.drafters.grown.best_first`)."""
+        shown = min(len(row) for row in self.greedy_ids)
+        return best_first(self.nodes, budget, torch.stack([r[:shown] for r in self.greedy_probs]),
+                          torch.stack([r[:shown] for r in self.greedy_ids]), kind=kind)
+
+
 @torch.inference_mode()
-def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: EagleCache,
-                    root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
-    """EAGLE-2's tree: the root's children from `root_state` [H] (the layer's output at the last
+def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: EagleCache,
+                     root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> Growth:
+    """EAGLE-2's expansion: the root's children from `root_state` [H] (the layer's output at the last
     accepted position, which read the root token), then depth by depth the `beam` best nodes by
-    joint probability expanded by one batched `draft` call; the `budget` best nodes of all."""
+    joint probability expanded by one batched `draft` call (`width` children of the root, `min(width,
+    beam)` of every other node)."""
     dtype = root_state.dtype
     probs, ids = ranked(projection.rows_logits(layer.draft_states(root_state[None]), projection.weight.shape[0]),
                         width, projection)  # [1, width]
     level = [GrownNode(path=(c,), tokens=(t,), score=p) for c, (p, t) in enumerate(zip(probs[0].tolist(), ids[0].tolist()))]
-    grown = list(level)
+    growth = Growth(nodes=list(level), greedy_probs=[probs[0]], greedy_ids=[ids[0]])
     parent_state = {(): root_state}
-    greedy_probs, greedy_ids = [probs[0]], [ids[0]]
     draft_k = draft_v = None
     index_of: dict[tuple[int, ...], int] = {}  # a node's row among the draft keys
     for level_depth in range(1, depth):
@@ -321,20 +336,21 @@ def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftPro
             parent_state[node.path] = out[row]
         draft_k = k if draft_k is None else torch.cat([draft_k, k], dim=1)
         draft_v = v if draft_v is None else torch.cat([draft_v, v], dim=1)
-        children = min(width, beam)
         probs, ids = ranked(projection.rows_logits(layer.draft_states(out), projection.weight.shape[0]),
-                            children, projection)  # [B, children]
-        level = []
-        for node, row_probs, row_ids in zip(frontier, probs.tolist(), ids.tolist()):
-            for c, (p, t) in enumerate(zip(row_probs, row_ids)):
-                level.append(GrownNode(path=node.path + (c,), tokens=node.tokens + (t,), score=node.score * p))
-        grown += level
+                            min(width, beam), projection)  # [B, children]
+        level = expand(frontier, probs.tolist(), ids.tolist())
+        growth.nodes += level
         top = max(range(len(frontier)), key=lambda r: frontier[r].score)
-        greedy_probs.append(probs[top])
-        greedy_ids.append(ids[top])
-    shown = min(len(row) for row in greedy_ids)
-    return best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
-                      torch.stack([r[:shown] for r in greedy_ids]), kind="eagle")
+        growth.greedy_probs.append(probs[top])
+        growth.greedy_ids.append(ids[top])
+    return growth
+
+
+def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: EagleCache,
+                    root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
+    """EAGLE-2's tree: `grow_eagle_nodes`, then the `budget` best nodes of all (the rerank)."""
+    return grow_eagle_nodes(layer, embed, projection, cache, root_state, budget=budget, width=width, beam=beam,
+                            depth=depth).best(budget, kind="eagle")
 
 
 class _KernelLinear(nn.Module):

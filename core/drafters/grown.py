@@ -44,6 +44,29 @@ class GrownNode:
     score: float
 
 
+def expand(parents: list[GrownNode], probs: list[list[float]], ids: list[list[int]]) -> list[GrownNode]:
+    """The children of `parents`: row r of `probs` / `ids` holds parent r's ranked guesses (best
+    first), each child scored by its parent's joint score times its own probability."""
+    return [GrownNode(path=node.path + (c,), tokens=node.tokens + (t,), score=node.score * p)
+            for node, row_probs, row_ids in zip(parents, probs, ids)
+            for c, (p, t) in enumerate(zip(row_probs, row_ids))]
+
+
+def grow_parallel(nodes: list[GrownNode], head_probs: torch.Tensor, head_ids: torch.Tensor, *, first_depth: int,
+                  beam: int, children: int) -> list[GrownNode]:
+    """Gumiho's later depths: from `first_depth` on, the `beam` best nodes of the depth above each get
+    parallel head d's top `children` guesses (`head_probs` / `head_ids` [D, m]: head d at row d-1,
+    read from the root's hidden state alone, so every parent gets the same guesses), scored by the
+    parent's joint score times the head's probability. Returns `nodes` and the new ones."""
+    grown = list(nodes)
+    for depth in range(first_depth, head_probs.shape[0] + 1):
+        above = [n for n in grown if len(n.path) == depth - 1]
+        frontier = sorted(above, key=lambda n: -n.score)[:beam]
+        row_probs, row_ids = head_probs[depth - 1, :children].tolist(), head_ids[depth - 1, :children].tolist()
+        grown += expand(frontier, [row_probs] * len(frontier), [row_ids] * len(frontier))
+    return grown
+
+
 def best_first(grown: list[GrownNode], budget: int, greedy_probs: torch.Tensor, greedy_ids: torch.Tensor,
                kind: str) -> GrownTree:
     """The `budget` best grown nodes (parents first on ties), columns renumbered per depth."""
