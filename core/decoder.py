@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 from torch import nn
 
-from core.accept import AcceptConfig, accept, rows_to_project
+from core.accept import AcceptConfig, AcceptResult, accept, rows_to_project
 from core.budget.controller import AutoBudget, FixedBudget, NodeBudget, StepPlan
 from core.drafters.datastore import StoreDrafter, TokenStore, default_store
 from core.drafters.interface import Chain, DraftContext, Drafter, LookupDrafter, Proposal
@@ -464,6 +464,8 @@ class DecodeSession:
         """One forward over the whole tree on top of the cache (which keeps it until the commit),
         with the logits of the rows the acceptance rule reads."""
         tree = draft.tree
+        if tree.num_nodes == 0:  # the root alone (the budget kept no node): a plain step's forward
+            return self._forward_root(cache_length(self.cache))
         buffers = tree.buffers()
         tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids, self.taps)
@@ -475,7 +477,11 @@ class DecodeSession:
         default the session's own) and what the record shows of it."""
         tree = draft.tree
         tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
-        result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
+        if tree.num_nodes == 0:  # the root alone: its row decides the next token, as in a plain step
+            result = AcceptResult(accepted_nodes=[0], bonus_token=next_token(out.row(0), self.config.accept.sampling,
+                                                                             generator or self.generator))
+        else:
+            result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
         token_list = tokens.tolist()
         head_scores = draft.node_head_scores()
         return TreeOutcome(tree=tree, node_tokens=token_list, node_scores=draft.node_scores(),
@@ -489,7 +495,8 @@ class DecodeSession:
         """Keep the accepted path in the cache (copied into place, the rest dropped) and what the
         next step drafts from: its last hidden state (and features) and the bonus token as root."""
         accepted = torch.tensor(outcome.accepted_nodes, device=self.base.device)  # [k] root first
-        keep_accepted(self.cache, context, accepted)
+        if outcome.tree.num_nodes:  # after the root alone the cache already holds exactly prefix + root
+            keep_accepted(self.cache, context, accepted)
         self.last_hidden = out.hidden[outcome.accepted_nodes[-1]]  # [H]
         self._remember_hidden(out, accepted)
         self.root_token = outcome.bonus_token

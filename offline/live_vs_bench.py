@@ -1,15 +1,18 @@
 """Does the page decode as fast as the benchmark? One prompt and strategy, decoded by `core.bench`
 and then live in the page (Chromium, Run to end), both timed by the decoding steps' own clock: the
 milliseconds a decoding step takes in each, and the page's own drawing time a step (shown apart on
-the speed card). Not a test (it times); figures go in docs/RESULTS.md.
+the speed card), and the two runs' verdicts (the speed card's "x plain decoding" against the
+benchmark's plain / strategy time for the same tokens). Not a test (it times); figures go in docs/RESULTS.md.
 
     python -m offline.live_vs_bench --question 81 --strategy dynamic --budget 15 --precision bf16
+    python -m offline.live_vs_bench --strategy dynamic:auto+lookup --label "prompt lookup" --budget 63 --precision gguf-q8
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,8 +30,11 @@ def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
     subprocess.run([sys.executable, "-m", "core.bench", "--prompts", str(prompts), "--strategies", f"ar,{spec}",
                     "--dtype", precision, "--max-new-tokens", str(tokens), "--repeats", "2", "--out", str(out)],
                    cwd=REPO, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    row = next(r for r in json.loads(out.read_text())["rows"] if r["strategy"] == spec)
-    return {"steps": row["steps"], "tokens": row["new_tokens"], "ms_per_step": 1000 * row["seconds"] / row["steps"]}
+    rows = json.loads(out.read_text())["rows"]
+    row = next(r for r in rows if r["strategy"] == spec)
+    plain = next(r for r in rows if r["strategy"] == "ar")
+    return {"steps": row["steps"], "tokens": row["new_tokens"], "ms_per_step": 1000 * row["seconds"] / row["steps"],
+            "vs_plain": round(plain["seconds"] / plain["new_tokens"] * row["new_tokens"] / row["seconds"], 3)}
 
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
@@ -51,12 +57,15 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
             cards = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#stats .card')]"
                                   ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
             card = page.locator("#stats").inner_text()
+            verdict = page.locator("#stats .card.speed .sub").first.inner_text()
             browser.close()
     values = {"tokens": float(cards["tokens"]), "steps": float(cards["steps"]),
               "tokens_per_s": float(cards["tokens / s"])}
     page_ms = next((line for line in card.splitlines() if "page:" in line), "")
+    ratio = re.match(r"\s*([0-9.]+)\s*×", verdict)
     return {"steps": int(values["steps"]), "tokens": int(values["tokens"]),
-            "ms_per_step": 1000 * values["tokens"] / values["tokens_per_s"] / values["steps"], "page": page_ms}
+            "ms_per_step": 1000 * values["tokens"] / values["tokens_per_s"] / values["steps"], "page": page_ms,
+            "verdict": verdict.strip(), "vs_plain": float(ratio.group(1)) if ratio else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,11 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in (REPO / "assets/data/mt_bench.jsonl").read_text().splitlines() if line.strip()]
     row = next(r for r in rows if str(r["question_id"]) == args.question)
-    spec = f"{args.strategy}:{args.budget}"
+    # a sized strategy at the page's budget; `auto` takes it as its ceiling (the grammar's default, 63)
+    spec = args.strategy if "auto" in args.strategy else f"{args.strategy}:{args.budget}"
     bench = _bench(row, spec, args.precision, args.tokens)
     live = _live(row["turns"][0], args)
     print(json.dumps({"spec": spec, "precision": args.precision, "bench": bench, "live": live,
-                      "live_over_bench": round(live["ms_per_step"] / bench["ms_per_step"], 3)}, indent=1))
+                      "live_over_bench": round(live["ms_per_step"] / bench["ms_per_step"], 3),
+                      "verdict_live_over_bench": (round(live["vs_plain"] / bench["vs_plain"], 3)
+                                                  if live["vs_plain"] else None)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, OnLeanForward, StaticC
 
 log = logging.getLogger(__name__)
 
-MODES = ("fp32", "bf16", "gguf", "gguf-q8")
-GGUF_MODES = ("gguf", "gguf-q8")  # the modes that read the GGUF's blocks
+GGUF_Q8 = "gguf-q8"  # the GGUF's blocks times 8-bit inputs (llama.cpp's arithmetic)
+MODES = ("fp32", "bf16", "gguf", GGUF_Q8)
+GGUF_MODES = ("gguf", GGUF_Q8)  # the modes that read the GGUF's blocks
 F32, BF16, Q8_0, Q4_1 = 0, 1, 2, 3  # weight formats of kernels/exact.cpp
 GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_1": Q4_1}
 LANES = 16  # the kernels' vector width: every product width must be a multiple
@@ -118,7 +119,7 @@ class ExactLlama(OnLeanForward):
                 raise ValueError(f"mode {mode} reads a GGUF's blocks: give its path")
             blocks = GgufBlocks.read(gguf_path)
         blocks = blocks if mode in GGUF_MODES else None
-        self.int8_activations = mode == "gguf-q8"
+        self.int8_activations = mode == GGUF_Q8
         self.weight_bytes = 0
         self.quantized_fallbacks: list[str] = []  # gguf mode: weights read as fp32 (their blocks did not match)
         self.raw_rows: dict[str, tuple[int, np.ndarray]] = {}  # gguf mode: a one-part weight's blocks, model row order
@@ -273,11 +274,11 @@ def time_modes(kernels: ModuleType, shapes: tuple[tuple[int, int], ...], rows: t
     row count (more weights than a CPU cache holds, so they stream from memory as in a forward)."""
     from core.engine.lean import median_ms
     generator = torch.Generator().manual_seed(0)
-    formats = {"fp32": F32, "bf16": BF16, "gguf": Q4_1, "gguf-q8": Q4_1}
+    formats = {"fp32": F32, "bf16": BF16, "gguf": Q4_1, GGUF_Q8: Q4_1}
     report: dict[str, dict[int, float]] = {}
     for mode in modes:
         fmt = formats[mode]
-        weights = [random_weight(kernels, fmt, out, width, generator, int8_activations=mode == "gguf-q8")
+        weights = [random_weight(kernels, fmt, out, width, generator, int8_activations=mode == GGUF_Q8)
                    for _ in range(layers) for out, width in shapes]
         report[mode] = {}
         for count in rows:

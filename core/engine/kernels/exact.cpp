@@ -531,7 +531,8 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 // alike, so after the integer dot products (exact) 32-bit lane l holds block 2p + l % 2's sums and
 // each lane's scale is one of two fp16 numbers read together. Per output element, per pair:
 // acc = fma(isum * dw, dx, acc) in 8 float lanes, pairs in order, then the fixed 8-lane sum and
-// Q4_1's minimum term (an 8-lane sum of mw * s over the blocks). The same sequence for every row, whatever the row count or the tile.
+// Q4_1's minimum term (an 8-lane sum of mw * s over the blocks). The same sequence for every row,
+// whatever the row count or the tile.
 // AVX2 intrinsics where the CPU has them; the scalar version of the same arithmetic elsewhere (and
 // with -DEXACT_SCALAR_INT8, so a test can check the two give the same bits)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(EXACT_SCALAR_INT8)
@@ -674,8 +675,10 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
                                                    _mm256_maddubs_epi16(high[c], x_high));
           isum = _mm256_madd_epi16(pairs16, ones);
         } else {  // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the activation
-          const __m256i lo = _mm256_maddubs_epi16(_mm256_sign_epi8(low[c], low[c]), _mm256_sign_epi8(x_low, low[c]));
-          const __m256i hi = _mm256_maddubs_epi16(_mm256_sign_epi8(high[c], high[c]), _mm256_sign_epi8(x_high, high[c]));
+          const __m256i lo = _mm256_maddubs_epi16(_mm256_sign_epi8(low[c], low[c]),
+                                                  _mm256_sign_epi8(x_low, low[c]));
+          const __m256i hi = _mm256_maddubs_epi16(_mm256_sign_epi8(high[c], high[c]),
+                                                  _mm256_sign_epi8(x_high, high[c]));
           isum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
         }
         const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw[c]);
@@ -686,7 +689,8 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float value = hsum8(acc[r][c]);
-      if constexpr (FMT == Q4_1) value += hsum8(minimum_sums(m16 + c * padded, a.sums.data() + (row + r) * padded, padded));
+      if constexpr (FMT == Q4_1)
+        value += hsum8(minimum_sums(m16 + c * padded, a.sums.data() + (row + r) * padded, padded));
       out[r * ldo + c] = value;
     }
 }
@@ -707,8 +711,10 @@ inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* 
           int32_t isum = 0;
           for (int half = 0; half < 2; ++half)
             for (int i = 0; i < 4; ++i) {
-              const int64_t at = p * 64 + half * 32 + 4 * l + i;  // pair order: lanes 0-3 block 2p, 4-7 block 2p+1
-              const int32_t wi = FMT == Q4_1 ? (half == 0 ? wq[p * 32 + 4 * l + i] & 0x0f : wq[p * 32 + 4 * l + i] >> 4)
+              // pair order: 4-byte group l holds block 2p + l % 2 (`pair_offset`)
+              const int64_t at = p * 64 + half * 32 + 4 * l + i;
+              const uint8_t packed = wq[p * 32 + 4 * l + i];  // Q4_1: low nibbles the low half, high the high
+              const int32_t wi = FMT == Q4_1 ? (half == 0 ? packed & 0x0f : packed >> 4)
                                              : static_cast<int8_t>(wq[at]);
               isum += wi * xq[at];
             }
