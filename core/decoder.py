@@ -318,7 +318,7 @@ class DecodeSession:
         else:
             context = cache_length(self.cache)
             out = clock.time("verify", self._verify, draft)
-            outcome = clock.time("accept", self._accept, draft, out)
+            outcome = self._dressed(clock.time("accept", self._accept, draft, out), out)
             clock.time("commit", self._commit, context, outcome, out)
             self._observe_chains(drafted, draft, outcome.accepted_tokens)
             record = self._tree_record(heads, draft, outcome, context)
@@ -482,14 +482,21 @@ class DecodeSession:
                                                                              generator or self.generator))
         else:
             result = accept(tree, tokens, out, self.config.accept, generator or self.generator)
-        token_list = tokens.tolist()
-        head_scores = draft.node_head_scores()
-        return TreeOutcome(tree=tree, node_tokens=token_list, node_scores=draft.node_scores(),
+        return TreeOutcome(tree=tree, node_tokens=tokens.tolist(), node_scores=draft.node_scores(),
                            accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
-                           node_texts=self._texts(token_list), bonus_text="".join(self._texts([result.bonus_token])),
                            lookup_rank=draft.first_chain_rank if draft.chains else None,
-                           chain_sources=tuple(c.source for c in draft.chains), head_scores=head_scores,
-                           base_top_tokens=out.projected_argmax(tree.num_nodes + 1) if self.page.texts else [])
+                           chain_sources=tuple(c.source for c in draft.chains), head_scores=draft.node_head_scores())
+
+    def _dressed(self, outcome: TreeOutcome, out: VerifyOutput) -> TreeOutcome:
+        """A verified tree with what only the page reads (node texts, the base model's top token at each
+        projected row), timed as the step's texts, outside its decoding phases."""
+        if not self.page.texts:
+            return outcome
+        start = time.perf_counter()
+        top_tokens = out.projected_argmax(outcome.tree.num_nodes + 1)
+        self._text_seconds += time.perf_counter() - start
+        return replace(outcome, node_texts=self._texts(outcome.node_tokens), base_top_tokens=top_tokens,
+                       bonus_text="".join(self._texts([outcome.bonus_token])))
 
     def _commit(self, context: int, outcome: TreeOutcome, out: VerifyOutput) -> None:
         """Keep the accepted path in the cache (copied into place, the rest dropped) and what the
@@ -550,7 +557,8 @@ class DecodeSession:
         twin = torch.Generator()
         twin.set_state(self.generator.get_state())
         text_seconds = self._text_seconds  # an aside's texts are the comparison's, not the step's
-        outcome = self._accept(draft, self._verify(draft), twin)
+        verified = self._verify(draft)
+        outcome = self._dressed(self._accept(draft, verified, twin), verified)
         self._text_seconds = text_seconds
         truncate(self.cache, context)
         return outcome

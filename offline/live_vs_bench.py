@@ -54,6 +54,9 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
             page.locator("#run-btn").click()
             page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
                                    timeout=900_000)
+            # a fixed-size run's verdict waits for the plain run of its prompt, timed after the run
+            page.wait_for_function("() => !document.querySelector('#stats .card.speed .sub')?.textContent"
+                                   ".includes('measuring')", timeout=300_000)
             cards = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#stats .card')]"
                                   ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
             card = page.locator("#stats").inner_text()
