@@ -294,6 +294,20 @@ def test_batched_work_takes_bf16_where_many_row_products_are_fast(monkeypatch, f
     assert core.model.fast_bf16_batched() == batched
 
 
+@pytest.mark.parametrize("torch_ratio, batched", [(0.34, False), (1.9, True)])
+def test_batched_torch_work_follows_torchs_own_products_where_the_kernels_decided(monkeypatch, torch_ratio, batched):
+    """With the exact kernels the lab's precision comes from the kernels, but drafters' layers, feature
+    extraction and training multiply in torch: they take bf16 by torch's own 8-row products (on an AVX2
+    EPYC the kernels' bf16 ran 2x fp32, torch's 0.34x), never by the kernels'."""
+    import core.model
+    choice = core.model.PrecisionChoice(dtype="gguf-q8", fp32_ms=4.8, bf16_ms=3.0, device="cpu", exact=True,
+                                        fp32_tree_ms=9.8, bf16_tree_ms=4.7, torch_fp32_tree_ms=10.0,
+                                        torch_bf16_tree_ms=10.0 / torch_ratio)
+    monkeypatch.setattr(core.model, "precision_choice", lambda: choice)
+    assert choice.tree_speedup > core.model.BF16_MIN_SPEEDUP  # the kernels' bf16 is fast either way
+    assert core.model.fast_bf16_batched() == batched
+
+
 @pytest.mark.parametrize("family", ["medusa", "hydra"])
 def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
     """Where bf16 is fast the heads draft in bf16 even for an fp32 run: the drafts change, the

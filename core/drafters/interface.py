@@ -34,7 +34,7 @@ from core.tree import CandidateTree, dynamic_tree
 
 
 def drafting_dtype(base: BaseModel) -> torch.dtype:
-    """The precision the heads draft in: bf16 where many-row products measured fast
+    """The precision the heads draft in: bf16 where torch's many-row products measured fast
     (`core.model.fast_bf16_batched`: a draft multiplies several rows, Medusa's heads at once or
     Hydra's beam), even under an fp32 base model, since a draft only proposes and the fp32 verify
     decides every token. On a Xeon with AMX, where the lab's default stays fp32, Hydra's propose
