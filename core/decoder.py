@@ -39,7 +39,7 @@ from core.strategy import (AUTOREGRESSIVE, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DE
                            MAX_NEW_TOKENS, MAX_TOP_M, PEERS, STORE_TOKENS, STRATEGIES, StrategyError, StrategySpec,
                            check_int, parse_strategy)
 from core.sampling import next_token
-from core.tree import CandidateTree, fixed_tree, named_tree
+from core.tree import CandidateTree, RankPath, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
 from core.verify import VerifyOutput, forward_tokens, verify_tree
 
@@ -213,6 +213,8 @@ class Asides:
     proposal: ProposedTree | None = None
     comparison: TreeOutcome | None = None
     rival: TreeOutcome | None = None
+    # greedy: the fixed tree, judged after the step by the greedy tokens it verified (`_greedy_comparison`)
+    fixed_to_judge: DraftTree | None = None
 
 
 class DecodeSession:
@@ -322,8 +324,11 @@ class DecodeSession:
             clock.time("commit", self._commit, context, outcome, out)
             self._observe_chains(drafted, draft, outcome.accepted_tokens)
             record = self._tree_record(heads, draft, outcome, context)
+        comparison = asides.comparison
+        if asides.fixed_to_judge is not None:
+            comparison = clock.time("compare", self._greedy_comparison, asides.fixed_to_judge, record)
         record = replace(record, times=clock.times(texts=self._text_seconds), controller=plan.state,  # timed here
-                         new_tokens=self._emit(record.new_tokens), comparison=asides.comparison, rival=asides.rival,
+                         new_tokens=self._emit(record.new_tokens), comparison=comparison, rival=asides.rival,
                          proposal=asides.proposal.outcome(record.outcome) if asides.proposal else None)
         self.records.append(record)
         self.controller.observe(record)
@@ -522,8 +527,9 @@ class DecodeSession:
         asides = Asides(proposal=self._proposal(shown, chains, draft, max_depth) if self.page.texts else None)
         if self.fixed_aside:  # a dynamic run: the heads proposed a HeadProposal
             fixed = build_draft_tree(shown, [], self.config.budget, self.config.top_m, self.config.depth, self.fixed)
-            asides = replace(asides, comparison=self._verify_aside(
-                fixed.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)))
+            fixed = fixed.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)
+            asides = (replace(asides, fixed_to_judge=fixed) if self.config.accept.sampling.greedy
+                      else replace(asides, comparison=self._verify_aside(fixed)))
         if self.rival_drafter is not None:
             nodes = max(draft.tree.num_nodes if draft is not None else 0, 1)
             proposal = self.rival_drafter.propose(self._draft_context(plan))
@@ -562,6 +568,52 @@ class DecodeSession:
         self._text_seconds = text_seconds
         truncate(self.cache, context)
         return outcome
+
+    def _greedy_comparison(self, fixed: DraftTree, record: StepRecord) -> TreeOutcome:
+        """Greedy acceptance of the fixed tree on this step's context, from what the step verified:
+        its greedy tokens (the accepted path, then the bonus) decide every node the fixed tree shares
+        with them, since such a node's row is the base model's row for the same tokens at the same
+        positions (bitwise on the exact kernels). Only where the fixed tree matches all of them does
+        greedy acceptance walk on below them, one row at a time (`_walk_below`). A 64-node verify
+        beside every step becomes a row or a few."""
+        greedy = record.outcome.accepted_tokens + [record.outcome.bonus_token]  # argmax after root, node 1, ...
+        tokens = fixed.tree.node_tokens(record.outcome.node_tokens[0], fixed.token_table).tolist()  # [n+1]
+        child = {(path[:-1], token): node for node, (path, token) in enumerate(zip(fixed.tree.paths, tokens[1:]), 1)}
+        accepted, path = [0], ()
+        while len(accepted) <= len(greedy) and (path, greedy[len(accepted) - 1]) in child:
+            accepted.append(child[(path, greedy[len(accepted) - 1])])
+            path = fixed.tree.paths[accepted[-1] - 1]
+        top = {node: greedy[i] for i, node in enumerate(accepted) if i < len(greedy)}  # rows the step computed
+        if len(accepted) <= len(greedy):  # it left the greedy path: the next greedy token is its bonus
+            bonus = greedy[len(accepted) - 1]
+        else:  # it matched every greedy token the step has: walk on below its last node
+            below, bonus, below_top = self._walk_below(fixed, tokens, child, accepted[-1],
+                                                       record.context_length + len(greedy))
+            accepted += below
+            top.update(below_top)
+        return TreeOutcome(tree=fixed.tree, node_tokens=tokens, node_scores=fixed.node_scores(),
+                           accepted_nodes=accepted, bonus_token=bonus, head_scores=fixed.node_head_scores(),
+                           node_texts=self._texts(tokens), bonus_text="".join(self._texts([bonus])),
+                           base_top_tokens=[top.get(node, -1) for node in range(len(tokens))])
+
+    def _walk_below(self, fixed: DraftTree, tokens: list[int], child: dict[tuple[RankPath, int], int], node: int,
+                    committed: int) -> tuple[list[int], int, dict[int, int]]:
+        """Greedy acceptance below fixed-tree `node`, whose token (the step's last greedy token) is not
+        in the cache yet: one-token forwards on top of the `committed` positions down the path the base
+        model's argmax picks, as plain decoding runs them, then those rows are dropped again. Returns
+        the accepted nodes below `node`, the bonus token and the argmax after each node walked."""
+        path, below, top = fixed.tree.paths[node - 1], [], {}
+        while True:
+            out = forward_tokens(self.base, self.cache, torch.tensor([tokens[node]]),
+                                 torch.tensor([cache_length(self.cache)]))
+            top[node] = argmax = int(out.row(0).argmax())
+            if (path, argmax) not in child:
+                break
+            node = child[(path, argmax)]
+            below.append(node)
+            path = fixed.tree.paths[node - 1]
+        truncate(self.cache, committed)
+        return below, argmax, top
 
     def _tree_record(self, heads: Proposal | None, draft: DraftTree, outcome: TreeOutcome, context: int
                      ) -> StepRecord:

@@ -258,3 +258,47 @@ def test_lookup_needs_the_dynamic_strategy():
         DecodeConfig(spec="fixed+lookup", lookup_tokens=4)
     with pytest.raises(ValueError, match="lookup_tokens"):
         DecodeConfig(spec="dynamic+lookup", lookup_tokens=99)
+
+
+@pytest.mark.parametrize("engine", ["exact", "lean"])
+def test_the_greedy_fixed_tree_comparison_equals_verifying_the_whole_fixed_tree(engine):
+    """Under greedy decoding the page's fixed-tree comparison is judged from the greedy tokens the
+    step verified, and only the fixed tree's subtree below them is verified (tiny models): every
+    step's accepted nodes and bonus equal a full verify of the 63-node fixed tree on the same
+    context, the base model's top tokens agree wherever both know them, and steps where the fixed
+    tree went deeper than the step's own tree are among them."""
+    import dataclasses
+
+    from tests.tiny import tiny_base, tiny_heads
+    base = tiny_base("llama", num_hidden_layers=4, engine=engine)
+    heads = tiny_heads(base, std=0.5)
+    prompt = list(b"the cat sat on the mat and the cat sat on the")
+
+    def comparisons(full_verify: bool) -> list:
+        session = start_session(base, heads, prompt, DecodeConfig(spec="dynamic:6", max_new_tokens=40, top_m=6),
+                                page=PageViews(fixed=True))
+        if full_verify:
+            asides = session._asides
+
+            def verified(*args):
+                found = asides(*args)
+                if found.fixed_to_judge is None:
+                    return found
+                return dataclasses.replace(found, comparison=session._verify_aside(found.fixed_to_judge),
+                                           fixed_to_judge=None)
+            session._asides = verified
+        while not session.finished:
+            session.step()
+        return [(r.comparison, r.outcome) for r in session.records]
+
+    judged, full = comparisons(False), comparisons(True)
+    assert len(judged) == len(full) > 10
+    deeper = 0
+    for (ours, step), (theirs, _) in zip(judged, full):
+        assert (ours is None) == (theirs is None)
+        if ours is None:
+            continue
+        assert ours.accepted_nodes == theirs.accepted_nodes and ours.bonus_token == theirs.bonus_token
+        assert all(a == b for a, b in zip(ours.base_top_tokens, theirs.base_top_tokens) if a >= 0 and b >= 0)
+        deeper += len(ours.accepted_nodes) > len(step.accepted_nodes)
+    assert deeper >= 2

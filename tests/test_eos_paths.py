@@ -33,9 +33,8 @@ def test_the_step_tree_stops_at_eos():
 
 def test_the_fixed_tree_comparison_stops_at_eos():
     session, proposal, greedy = _session_with_eos_at_second_token()
-    plan = session.controller.plan(session.config.budget, grows=False)
-    draft = session._build(proposal, [], plan, max_depth=3)
-    comparison = session._asides(proposal, [], draft, plan, max_depth=3).comparison
+    session.heads_drafter.propose = lambda context: proposal
+    comparison = session.step().comparison  # greedy: judged from the step's own greedy tokens
     assert comparison.accepted_tokens == greedy[1:3]
     assert comparison.tree.num_nodes == 2
 
