@@ -61,6 +61,7 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
                                   ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
             card = page.locator("#stats").inner_text()
             verdict = page.locator("#stats .card.speed .sub").first.inner_text()
+            status = page.locator("#status").inner_text()
             browser.close()
     values = {"tokens": float(cards["tokens"]), "steps": float(cards["steps"]),
               "tokens_per_s": float(cards["tokens / s"])}
@@ -68,7 +69,7 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
     ratio = re.match(r"\s*([0-9.]+)\s*×", verdict)
     return {"steps": int(values["steps"]), "tokens": int(values["tokens"]),
             "ms_per_step": 1000 * values["tokens"] / values["tokens_per_s"] / values["steps"], "page": page_ms,
-            "verdict": verdict.strip(), "vs_plain": float(ratio.group(1)) if ratio else None}
+            "verdict": verdict.strip(), "vs_plain": float(ratio.group(1)) if ratio else None, "status": status.strip()}
 
 
 def main(argv: list[str] | None = None) -> None:
