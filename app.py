@@ -53,10 +53,8 @@ TRACE_TTL_S = 3600
 # cards, text, Revisit; no progress timer): each redraw takes the cores from decoding, and drawing the two
 # trees cost the browser's renderer ~0.4 s of CPU. The figures follow when the run stops; Step draws every step's.
 # Live in Chromium over the benchmark's ms a step (2-core Xeon, bf16, dynamic:15, same 2 cores): 1.94x with
-# every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all. On a 2-core EPYC in gguf-q8
-# (40-ms steps) each progress redraw still stalled the step after it by ~35 ms (the browser drawing on the
-# decoding cores): every 0.5 s that was +12 % a step; once a second halves it.
-RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "1.0"))
+# every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
+RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "0.5"))
 QUEUE_POLL_S = float(os.environ.get("MEDUSA_LAB_QUEUE_POLL_S", "0.02"))  # see _quiet_queue
 PROGRESS_POLL_S = 0.1
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")

@@ -591,10 +591,13 @@ class DecodeSession:
                                                        record.context_length + len(greedy))
             accepted += below
             top.update(below_top)
-        return TreeOutcome(tree=fixed.tree, node_tokens=tokens, node_scores=fixed.node_scores(),
-                           accepted_nodes=accepted, bonus_token=bonus, head_scores=fixed.node_head_scores(),
-                           node_texts=self._texts(tokens), bonus_text="".join(self._texts([bonus])),
-                           base_top_tokens=[top.get(node, -1) for node in range(len(tokens))])
+        text_seconds = self._text_seconds  # the comparison's texts are the page's, not the step's
+        outcome = TreeOutcome(tree=fixed.tree, node_tokens=tokens, node_scores=fixed.node_scores(),
+                              accepted_nodes=accepted, bonus_token=bonus, head_scores=fixed.node_head_scores(),
+                              node_texts=self._texts(tokens), bonus_text="".join(self._texts([bonus])),
+                              base_top_tokens=[top.get(node, -1) for node in range(len(tokens))])
+        self._text_seconds = text_seconds
+        return outcome
 
     def _walk_below(self, fixed: DraftTree, tokens: list[int], child: dict[tuple[RankPath, int], int], node: int,
                     committed: int) -> tuple[list[int], int, dict[int, int]]:
