@@ -14,6 +14,7 @@ dynamic:auto skips the heads, a step verifies the chains alone.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -405,6 +406,16 @@ class DecodeSession:
             tapped = out.tapped[:, rows]  # [T, k, H]
             self.feature_history.append(torch.cat(list(tapped) + [out.hidden[rows]], dim=-1))  # [k, (T+1)H]
 
+    @contextlib.contextmanager
+    def _page_texts(self) -> Iterator[None]:
+        """Texts named inside are the page's (a proposal, a comparison beside the step), not the
+        step's own `texts` time."""
+        saved = self._text_seconds
+        try:
+            yield
+        finally:
+            self._text_seconds = saved
+
     def _texts(self, ids: list[int]) -> list[str]:
         """Each token's text for the record (none in benchmarks); the time it takes is the step's
         `texts` phase."""
@@ -548,11 +559,9 @@ class DecodeSession:
         full = full.stop_after(self.root_token, self.base.eos_token_ids).keep(max_depth=max_depth)
         if draft is not None and full.tree.num_nodes <= draft.tree.num_nodes:
             return None
-        text_seconds = self._text_seconds  # the proposal's texts are the page's, not the step's
         tokens = full.tree.node_tokens(self.root_token, full.token_table).tolist()  # [n+1]
-        proposed = ProposedTree(draft=full, node_tokens=tokens, node_texts=self._texts(tokens))
-        self._text_seconds = text_seconds
-        return proposed
+        with self._page_texts():
+            return ProposedTree(draft=full, node_tokens=tokens, node_texts=self._texts(tokens))
 
     def _verify_aside(self, draft: DraftTree) -> TreeOutcome:
         """A tree verified and judged on the current context, then dropped from the cache (UI only).
@@ -562,10 +571,9 @@ class DecodeSession:
         context = cache_length(self.cache)
         twin = torch.Generator()
         twin.set_state(self.generator.get_state())
-        text_seconds = self._text_seconds  # an aside's texts are the comparison's, not the step's
         verified = self._verify(draft)
-        outcome = self._dressed(self._accept(draft, verified, twin), verified)
-        self._text_seconds = text_seconds
+        with self._page_texts():
+            outcome = self._dressed(self._accept(draft, verified, twin), verified)
         truncate(self.cache, context)
         return outcome
 
@@ -591,13 +599,11 @@ class DecodeSession:
                                                        record.context_length + len(greedy))
             accepted += below
             top.update(below_top)
-        text_seconds = self._text_seconds  # the comparison's texts are the page's, not the step's
-        outcome = TreeOutcome(tree=fixed.tree, node_tokens=tokens, node_scores=fixed.node_scores(),
-                              accepted_nodes=accepted, bonus_token=bonus, head_scores=fixed.node_head_scores(),
-                              node_texts=self._texts(tokens), bonus_text="".join(self._texts([bonus])),
-                              base_top_tokens=[top.get(node, -1) for node in range(len(tokens))])
-        self._text_seconds = text_seconds
-        return outcome
+        with self._page_texts():
+            return TreeOutcome(tree=fixed.tree, node_tokens=tokens, node_scores=fixed.node_scores(),
+                               accepted_nodes=accepted, bonus_token=bonus, head_scores=fixed.node_head_scores(),
+                               node_texts=self._texts(tokens), bonus_text="".join(self._texts([bonus])),
+                               base_top_tokens=[top.get(node, -1) for node in range(len(tokens))])
 
     def _walk_below(self, fixed: DraftTree, tokens: list[int], child: dict[tuple[RankPath, int], int], node: int,
                     committed: int) -> tuple[list[int], int, dict[int, int]]:

@@ -21,19 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
 
-from core.drafters.eagle import (EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleLayer, Growth, default_eagle,
-                                 grow_eagle_nodes)
-from core.drafters.grown import GrownNode, accepted_depth, grow_parallel
+from core.drafters.eagle import EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleLayer, default_eagle, grow_eagle_nodes
+from core.drafters.grown import GrownNode, Growth, accepted_depth, grow_parallel
 from core.drafters.interface import heads_for_drafting
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, load_heads
 from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, load_base_model
 from offline.eagle_features import extract
-from offline.simulate import head_proposals
+from offline.simulate import TreeSpec, head_proposals, simulate_answer
 from offline.train import held_out_sets, repo_path
 from offline.train_eagle import BUDGETS, WIDTH
 
@@ -85,8 +85,7 @@ def answer_tokens_per_step(layer: EagleLayer, base: BaseModel, heads: MedusaHead
                                                     width=WIDTH, beam=EAGLE_BEAM, depth=EAGLE_DEPTH)
                 growth = growth_at[i]
                 growth_nodes = gumiho_nodes(growth.nodes, probs[i], ids[i], serial)
-                tree = Growth(nodes=growth_nodes, greedy_probs=growth.greedy_probs,
-                              greedy_ids=growth.greedy_ids).best(budget, kind="eagle")
+                tree = replace(growth, nodes=growth_nodes).best(budget, kind="eagle")
                 step = min(accepted_depth(tree, answer, i) + 1, len(answer) - 1 - i)
                 steps, emitted, i = steps + 1, emitted + step, i + step
             totals[f"{label}:{budget}"] = [steps, emitted]
@@ -97,7 +96,6 @@ def answer_tokens_per_step(layer: EagleLayer, base: BaseModel, heads: MedusaHead
 
 def _dynamic_steps(probs: torch.Tensor, ids: torch.Tensor, answer: list[int], budget: int) -> list[int]:
     """(steps, tokens) of Medusa's dynamic tree over the same proposals (`offline.simulate`'s walk)."""
-    from offline.simulate import TreeSpec, simulate_answer
     return list(simulate_answer(probs, ids, answer, TreeSpec(label=f"dynamic:{budget}", budget=budget), WIDTH))
 
 

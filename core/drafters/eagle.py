@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from core.drafters.grown import GrownNode, GrownTree, best_first, expand
+from core.drafters.grown import GrownNode, GrownTree, Growth, expand
 from core.drafters.layers import RMSNorm, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
@@ -288,21 +288,6 @@ def shipped_eagle(base: BaseModel) -> tuple[EagleLayer | None, str]:
     """The shipped draft layer in `base`'s dtype and device, with a line for the header: the family table's loader."""
     layer = default_eagle(dtype=base.dtype, device=base.device)
     return layer, ("an EAGLE draft layer from assets/eagle" if layer is not None else "")
-
-
-@dataclass
-class Growth:
-    """Nodes grown so far and the drafter's greedy row per depth (for the heads table)."""
-
-    nodes: list[GrownNode]
-    greedy_probs: list[torch.Tensor]  # per depth [m]
-    greedy_ids: list[torch.Tensor]  # per depth [m]
-
-    def best(self, budget: int, kind: str) -> GrownTree:
-        """The `budget` best nodes as a tree (`core.drafters.grown.best_first`)."""
-        shown = min(len(row) for row in self.greedy_ids)
-        return best_first(self.nodes, budget, torch.stack([r[:shown] for r in self.greedy_probs]),
-                          torch.stack([r[:shown] for r in self.greedy_ids]), kind=kind)
 
 
 @torch.inference_mode()

@@ -44,6 +44,21 @@ class GrownNode:
     score: float
 
 
+@dataclass
+class Growth:
+    """Nodes grown so far and the drafter's greedy row per depth (the heads table's rows)."""
+
+    nodes: list[GrownNode]
+    greedy_probs: list[torch.Tensor]  # per depth [m]
+    greedy_ids: list[torch.Tensor]  # per depth [m]
+
+    def best(self, budget: int, kind: str) -> GrownTree:
+        """The `budget` best nodes as a tree (`core.drafters.grown.best_first`)."""
+        shown = min(len(row) for row in self.greedy_ids)
+        return best_first(self.nodes, budget, torch.stack([r[:shown] for r in self.greedy_probs]),
+                          torch.stack([r[:shown] for r in self.greedy_ids]), kind=kind)
+
+
 def expand(parents: list[GrownNode], probs: list[list[float]], ids: list[list[int]]) -> list[GrownNode]:
     """The children of `parents`: row r of `probs` / `ids` holds parent r's ranked guesses (best
     first), each child scored by its parent's joint score times its own probability."""

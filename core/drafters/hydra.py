@@ -44,7 +44,7 @@ from torch import nn
 from core.drafters.layers import RMSNorm, read_weights, save_weights, take_draft_vocab
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
-from core.drafters.grown import GrownNode, GrownTree, best_first
+from core.drafters.grown import GrownNode, GrownTree, Growth
 
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
@@ -263,9 +263,7 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         frontier = sorted(level_nodes, key=lambda n: -n.score)[: min(beam, budget)]
         if greedy not in frontier:
             frontier.append(greedy)
-    shown = min(len(row) for row in greedy_ids)  # the root has more children than deeper nodes
-    return best_first(grown, budget, torch.stack([r[:shown] for r in greedy_probs]),
-                      torch.stack([r[:shown] for r in greedy_ids]), kind="hydra")
+    return Growth(nodes=grown, greedy_probs=greedy_probs, greedy_ids=greedy_ids).best(budget, kind="hydra")
 
 
 def shipped_hydra_heads(base: BaseModel) -> tuple[HydraHeads | None, str]:
