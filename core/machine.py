@@ -2,6 +2,7 @@
 and the one timing loop every measurement uses (`median_ms`)."""
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -65,3 +66,13 @@ def median_ms(call: Callable[[], object], repeats: int, device: object | None = 
     timed()
     samples = sorted(timed() for _ in range(repeats))
     return samples[len(samples) // 2]
+
+
+def decoding_takes_every_core() -> bool:
+    """Whether the decoding's threads use every core this process may run on (so anything else on the
+    machine, a browser drawing the page, runs in their time)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() >= cores

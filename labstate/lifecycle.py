@@ -5,7 +5,6 @@ Everything here changes or reads one user's `LabState`; nothing here draws (viz 
 """
 from __future__ import annotations
 
-import statistics
 import time
 import uuid
 from dataclasses import asdict
@@ -219,7 +218,7 @@ def facts_of(lab: LabState, run: Run) -> RunFacts:
     stats = RunStats(tokens=len(session.output_ids), steps=len(session.records), mean_accepted=session.tokens_per_step,
                      tokens_per_s=emitted / decode_seconds if decode_seconds > 0 else 0.0, status=run.state,
                      check=check.text, check_state=check.state, vs_plain=speed.ratio, vs_plain_basis=speed.basis,
-                     vs_plain_why=speed.why, page_ms=_median_ms(run.page_seconds))
+                     vs_plain_why=speed.why, page_ms=_per_step_ms(run.page_seconds, len(session.records)))
     first = session.output_ids[0]
     first_text = session.records[0].outcome.node_texts[0] if session.records else rt.base.token_texts([first])[0]
     return RunFacts(prompt=run.prompt, spec=run.settings.spec, settings=run.settings.raw(), records=session.records,
@@ -230,14 +229,16 @@ def facts_of(lab: LabState, run: Run) -> RunFacts:
 
 
 def note_page_time(lab: LabState | None, seconds: float) -> None:
-    """Record how long the page took to draw a view of the current run (its figures and tables): shown
-    beside the speed, never counted in it."""
+    """Record time the page spent on the current run outside its decoding steps (drawing a view, its
+    figures and tables; a pause left to a browser on this machine to draw): shown beside the speed,
+    never counted in it."""
     if lab is not None and lab.run is not None:
         lab.run.page_seconds.append(seconds)
 
 
-def _median_ms(seconds: list[float]) -> float | None:
-    return statistics.median(seconds) * 1e3 if seconds else None
+def _per_step_ms(seconds: list[float], steps: int) -> float | None:
+    """The page's time over the run's steps (a Run to end draws once for many steps, Step once a step)."""
+    return sum(seconds) * 1e3 / steps if seconds and steps else None
 
 
 def run_trace(lab: LabState | None, extra: dict | None = None) -> str:

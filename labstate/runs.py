@@ -27,7 +27,7 @@ class Run:
     session: DecodeSession
     note: str = ""
     mode: str = READY  # READY after Start, PAUSED after a Step, RUNNING inside Run to end, STOPPED after Stop
-    page_seconds: list[float] = field(default_factory=list)  # drawing each view of this run (the page's, not decoding's)
+    page_seconds: list[float] = field(default_factory=list)  # the page's time on this run, not decoding's
     stepping: bool = False  # a step of this run is in flight (Stop waits for it to end)
 
     @property

@@ -17,9 +17,10 @@ from core.drafters.medusa import MedusaHeads
 from core.drafters.hydra import HydraHeads
 from core.families import FAMILIES, HYDRA, MEDUSA, family
 from core.kvcache import truncate
-from core.machine import median_ms
+from core.machine import decoding_takes_every_core, median_ms  # noqa: F401  (decoding_takes_every_core: for the page)
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
-from core.budget.cost_profile import CostProfile, profile_cached, provisional_profile, verify_profile
+from core.budget.cost_profile import (CostProfile, profile_cached, provisional_profile, verify_profile,
+                                      warm_verifies)
 from core.tensor_thread import run_on_tensor_thread, tensor_work
 from core.verify import forward_tokens
 from labstate.settings import PRECISIONS, machine_precision
@@ -174,7 +175,10 @@ def _measure_profile(rt: Runtime) -> CostProfile:
     key = rt.base.config.dtype
     with _PROFILE_LOCK:  # the warm-up thread and a Start's measuring thread measure once between them
         if key not in _PROFILES:
+            read_from_disk = profile_cached(rt.base)
             _PROFILES[key] = verify_profile(rt.base, run=run_on_tensor_thread)
+            if read_from_disk:  # no tree verify ran in this process yet: pay the first ones here, not in a step
+                warm_verifies(rt.base, run=run_on_tensor_thread)
     return _PROFILES[key]
 
 

@@ -2,7 +2,11 @@
 and then live in the page (Chromium, Run to end), both timed by the decoding steps' own clock: the
 milliseconds a decoding step takes in each, and the page's own drawing time a step (shown apart on
 the speed card), and the two runs' verdicts (the speed card's "x plain decoding" against the
-benchmark's plain / strategy time for the same tokens). Not a test (it times); figures go in docs/RESULTS.md.
+benchmark's plain / strategy time for the same tokens). The benchmark runs before and after the page
+(the VM's speed drifts 20 % in minutes; their mean is the reference), and the page's run is read back
+from its own JSON trace: the mean and the median step, the first tree step, and the steps slower than
+1.3x the median (a browser drawing on the decoding cores shows as such steps). Not a test (it times);
+figures go in docs/RESULTS.md.
 
     python -m offline.live_vs_bench --question 81 --strategy dynamic --budget 15 --precision bf16
     python -m offline.live_vs_bench --strategy dynamic:auto+lookup --label "prompt lookup" --budget 63 --precision gguf-q8
@@ -13,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,7 +25,14 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
+from offline.bench import PHASES
 from offline.served import REPO, served_app
+
+TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"  # where the page writes its JSON traces (app.TRACE_DIR)
+SLOW_STEP = 1.3  # a step this many times the run's median counts as slow
+# Playwright's default polling runs the predicate every animation frame: 60 frames a second of renderer work
+# (0.10-0.14 of a core during a run) that a person's browser does not do, taken from the decoding cores
+POLL_MS = 250
 
 
 def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
@@ -33,8 +45,15 @@ def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
     rows = json.loads(out.read_text())["rows"]
     row = next(r for r in rows if r["strategy"] == spec)
     plain = next(r for r in rows if r["strategy"] == "ar")
-    return {"steps": row["steps"], "tokens": row["new_tokens"], "ms_per_step": 1000 * row["seconds"] / row["steps"],
-            "vs_plain": round(plain["seconds"] / plain["new_tokens"] * row["new_tokens"] / row["seconds"], 3)}
+    # the decoding steps' own clock, as the page's card times them (the rows' seconds also hold the prefill)
+    steps_s, plain_s = _steps_seconds(row), _steps_seconds(plain)
+    return {"steps": row["steps"], "tokens": row["new_tokens"], "ms_per_step": 1000 * steps_s / row["steps"],
+            "vs_plain": round(plain_s / plain["new_tokens"] * row["new_tokens"] / steps_s, 3)}
+
+
+def _steps_seconds(row: dict) -> float:
+    """A benchmark row's time in its decoding steps (`PhaseTimes.total`'s phases; no prefill)."""
+    return sum(row["phase_seconds"].get(phase, 0.0) for phase in PHASES)
 
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
@@ -53,15 +72,17 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
             page.locator("#precision label", has_text=args.precision).first.click()
             page.locator("#run-btn").click()
             page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
-                                   timeout=900_000)
+                                   timeout=900_000, polling=POLL_MS)
             # a fixed-size run's verdict waits for the plain run of its prompt, timed after the run
             page.wait_for_function("() => !document.querySelector('#stats .card.speed .sub')?.textContent"
-                                   ".includes('measuring')", timeout=300_000)
+                                   ".includes('measuring')", timeout=300_000,
+                                   polling=POLL_MS)
             cards = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#stats .card')]"
                                   ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
             card = page.locator("#stats").inner_text()
             verdict = page.locator("#stats .card.speed .sub").first.inner_text()
             status = page.locator("#status").inner_text()
+            steps = _traced_steps(page)
             browser.close()
     values = {"tokens": float(cards["tokens"]), "steps": float(cards["steps"]),
               "tokens_per_s": float(cards["tokens / s"])}
@@ -69,7 +90,49 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
     ratio = re.match(r"\s*([0-9.]+)\s*×", verdict)
     return {"steps": int(values["steps"]), "tokens": int(values["tokens"]),
             "ms_per_step": 1000 * values["tokens"] / values["tokens_per_s"] / values["steps"], "page": page_ms,
-            "verdict": verdict.strip(), "vs_plain": float(ratio.group(1)) if ratio else None, "status": status.strip()}
+            "verdict": verdict.strip(), "vs_plain": float(ratio.group(1)) if ratio else None, "status": status.strip(),
+            "trace": steps}
+
+
+def _served_api(prompt: str, args: argparse.Namespace) -> dict:
+    """The same run served to `gradio_client` (no browser on the cores): its trace's step times."""
+    import gradio_client
+
+    with served_app(env={"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}) as (url, _):
+        client = gradio_client.Client(url, verbose=False, download_files=False)
+        list(client.submit(prompt, strategy=args.strategy, budget=args.budget, precision=args.precision,
+                           max_new_tokens=args.tokens, api_name="/run"))
+        before = set(TRACE_DIR.glob("medusa_trace_*.json"))
+        client.predict(api_name="/trace")
+        steps = _trace_stats(_newest_trace(before))
+    return {"steps": None, "ms_per_step": steps["mean_ms"], "vs_plain": None, "trace": steps}
+
+
+def _newest_trace(before: set[Path]) -> list[dict]:
+    """The steps of the trace the page wrote since `before` was listed."""
+    written = sorted(set(TRACE_DIR.glob("medusa_trace_*.json")) - before, key=lambda path: path.stat().st_mtime)
+    return json.loads(written[-1].read_text())["steps"]
+
+
+def _traced_steps(page) -> dict:
+    """The run's steps as its own JSON trace times them (Export -> Build JSON trace): ms a step."""
+    before = set(TRACE_DIR.glob("medusa_trace_*.json"))
+    page.get_by_text("Export", exact=True).first.click()  # the button sits in a closed accordion
+    page.locator("#trace-btn").click()
+    page.locator("#trace-file a").first.wait_for(timeout=60_000)
+    return _trace_stats(_newest_trace(before))
+
+
+def _trace_stats(steps: list[dict]) -> dict:
+    """Mean and median ms a step by the steps' own clock, the first tree step and the slow steps."""
+    ms = [1000 * step["times"]["total"] for step in steps]
+    median = statistics.median(ms)
+    first_tree = next((i for i, step in enumerate(steps) if step["times"]["verify"] and step["outcome"]["tree"]
+                       .get("paths")), None)
+    slow = [round(t, 1) for t in ms if t > SLOW_STEP * median]
+    return {"mean_ms": round(statistics.fmean(ms), 2), "median_ms": round(median, 2),
+            "first_tree_step_ms": round(ms[first_tree], 1) if first_tree is not None else None,
+            "slow_steps": len(slow), "slow_ms": slow}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,16 +143,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=15)
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--client", choices=("browser", "api"), default="browser",
+                        help="drive the page in Chromium (default) or call the same server through gradio_client")
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in (REPO / "assets/data/mt_bench.jsonl").read_text().splitlines() if line.strip()]
     row = next(r for r in rows if str(r["question_id"]) == args.question)
     # a sized strategy at the page's budget; `auto` takes it as its ceiling (the grammar's default, 63)
     spec = args.strategy if "auto" in args.strategy else f"{args.strategy}:{args.budget}"
-    bench = _bench(row, spec, args.precision, args.tokens)
-    live = _live(row["turns"][0], args)
-    print(json.dumps({"spec": spec, "precision": args.precision, "bench": bench, "live": live,
-                      "live_over_bench": round(live["ms_per_step"] / bench["ms_per_step"], 3),
-                      "verdict_live_over_bench": (round(live["vs_plain"] / bench["vs_plain"], 3)
+    before = _bench(row, spec, args.precision, args.tokens)
+    live = (_served_api if args.client == "api" else _live)(row["turns"][0], args)
+    after = _bench(row, spec, args.precision, args.tokens)
+    bench_ms = (before["ms_per_step"] + after["ms_per_step"]) / 2
+    bench_vs_plain = (before["vs_plain"] + after["vs_plain"]) / 2
+    print(json.dumps({"spec": spec, "precision": args.precision, "bench_before": before, "live": live,
+                      "bench_after": after, "live_over_bench": round(live["ms_per_step"] / bench_ms, 3),
+                      "trace_median_over_bench": round(live["trace"]["median_ms"] / bench_ms, 3),
+                      "client": args.client,
+                      "verdict_live_over_bench": (round(live["vs_plain"] / bench_vs_plain, 3)
                                                   if live["vs_plain"] else None)}, indent=1))
 
 

@@ -500,3 +500,26 @@ def test_the_queue_does_not_poll_every_millisecond():
     queue = app.build_demo()._queue
     assert queue.sleep_when_free >= app.QUEUE_POLL_S >= 0.01
     assert queue.progress_update_sleep_when_free >= app.PROGRESS_POLL_S
+
+
+def test_a_browser_on_this_machine_gets_a_moment_to_draw_after_each_redraw(monkeypatch):
+    """Issue 46: where the decoding takes every core, a browser on the same machine drew each Run-to-end
+    redraw inside the next step, and the step's clock charged it to decoding. The page leaves it the
+    cores for a moment after a redraw and counts that moment as the page's time, not decoding's; a
+    browser elsewhere and API clients are never paused."""
+    from types import SimpleNamespace
+
+    def request(host: str, user: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(client=SimpleNamespace(host=host), headers={"x-gradio-user": user} if user else {},
+                               url=f"http://{host}:7860/gradio_api/queue/join")
+
+    assert app._browser_on_this_machine(request("127.0.0.1"))
+    assert app._browser_on_this_machine(request("::1"))
+    assert not app._browser_on_this_machine(request("10.0.0.7"))  # a classroom's laptops, a Space's visitors
+    assert not app._browser_on_this_machine(request("127.0.0.1", user="api"))  # gradio_client draws nothing
+    assert not app._browser_on_this_machine(None)
+    lab = SimpleNamespace(run=SimpleNamespace(page_seconds=[]))
+    monkeypatch.setattr(app, "REDRAW_YIELD_S", 0.01)
+    started = time.perf_counter()
+    app._let_the_browser_draw(lab)
+    assert time.perf_counter() - started >= 0.01 and lab.run.page_seconds == [0.01]

@@ -120,6 +120,32 @@ def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypat
     assert base.config.dtype in shared._PROFILES
 
 
+@pytest.mark.parametrize("cached_on_disk", [True, False])
+def test_a_profile_read_from_disk_warms_every_tree_size_before_a_user_step(monkeypatch, cached_on_disk):
+    """Issue 46: a process that reads its profile from disk has never verified a tree, and its first
+    tree verify was 3x the benchmark's (in the user's first tree step): one verify of each size the page
+    uses runs with the profile. A profile measured in this process ran them all already."""
+    import core.budget.cost_profile as cost_profile
+    import labstate.shared as shared
+    base = tiny_base("llama", max_positions=2048)
+    rt = medusa_runtime(base)
+    profile = CostProfile(sizes=[1, 16], ms=[10.0, 12.0], device="cpu", model="tiny")
+    monkeypatch.setattr(shared, "_PROFILES", {})
+    monkeypatch.setattr(shared, "profile_cached", lambda base: cached_on_disk)
+    monkeypatch.setattr(shared, "verify_profile", lambda base, **how: profile)
+    verified_rows: list[int] = []
+    real_verify = cost_profile.verify_tree
+
+    def counted_verify(base, cache, tokens, *args, **kwargs):
+        verified_rows.append(len(tokens))
+        return real_verify(base, cache, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(cost_profile, "verify_tree", counted_verify)
+    assert shared._measure_profile(rt) is profile
+    assert verified_rows == (list(cost_profile.WARM_SIZES) if cached_on_disk else [])
+    assert max(cost_profile.WARM_SIZES) >= 64 and min(cost_profile.WARM_SIZES) <= 2
+
+
 def test_a_first_start_draws_a_tree_while_the_profile_is_still_being_measured(monkeypatch):
     """Issue 46: the verify-cost profile never blocks a Start: while it is measured (held here until
     the run has stepped), an auto-budget run starts on a provisional profile and steps a tree; the
@@ -417,8 +443,8 @@ def test_three_hundred_live_steps_keep_the_server_memory_bounded(tiny_runtime):
 
 
 def test_the_page_time_is_shown_apart_from_decoding(tiny_runtime):
-    """The time the page takes to draw a run (issue 46: node texts, figures, tables) is its median per
-    view, beside the speed and never inside tokens / s."""
+    """The time the page takes to draw a run (issue 46: node texts, figures, tables) is its time over the
+    run's steps (a Run to end draws once for many steps), beside the speed and never inside tokens / s."""
     from viz.text_html import stats_html
     settings = labstate.parse_settings(SETTINGS)
     lab = labstate.LabState()
@@ -429,6 +455,8 @@ def test_the_page_time_is_shown_apart_from_decoding(tiny_runtime):
     for seconds in (0.030, 0.050, 0.040):
         labstate.note_page_time(lab, seconds)
     stats = labstate.facts_of(lab, lab.run).stats
-    assert stats.page_ms == pytest.approx(40.0) and stats.tokens_per_s == before.tokens_per_s
-    assert "page: 40 ms a step, apart" in stats_html(stats)
+    assert stats.page_ms == pytest.approx(120.0) and stats.tokens_per_s == before.tokens_per_s
+    assert "page: 120 ms a step, apart" in stats_html(stats)
+    labstate.step_once(lab, PROMPT, settings)
+    assert labstate.facts_of(lab, lab.run).stats.page_ms == pytest.approx(60.0)  # the same time over two steps
     labstate.note_page_time(None, 1.0)  # no run: nothing to note, no error

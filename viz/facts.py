@@ -45,7 +45,7 @@ class RunStats:
     vs_plain: float | None = None  # tokens/s over plain decoding's
     vs_plain_basis: str = ""  # measured plain run, or how it was estimated
     vs_plain_why: str = ""  # wins/loses and why (verify cost of the tree against one token)
-    page_ms: float | None = None  # the page's own work a step (drawing its figures), median; not decoding time
+    page_ms: float | None = None  # the page's own time over the run's steps (drawing its views); not decoding time
 
 
 @dataclass(frozen=True)

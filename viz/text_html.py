@@ -243,8 +243,9 @@ def _speed_card(stats: RunStats, looping: bool = False) -> str:
     else:  # a recording made when the card still estimated
         sub = (f'<div class="sub neutral" title="{escape(stats.vs_plain_basis)}">≈ {stats.vs_plain:.1f}× plain '
                f'decoding (estimated, not yet measured)</div>')
-    page = (f'<div class="sub neutral page" title="the page\'s own work a step (drawing the tree, tables and '
-            f'plots), median: not decoding time, so not in tokens / s or the ratio">page: {stats.page_ms:.0f} ms '
+    page = (f'<div class="sub neutral page" title="the page\'s own time over the run\'s steps (drawing the tree, tables and '
+            f'plots; a moment left to a browser on this machine to draw them): not decoding time, so not in '
+            f'tokens / s or the ratio">page: {stats.page_ms:.0f} ms '
             f'a step, apart</div>' if stats.page_ms is not None else "")
     return (f'<div class="card speed"><div class="v">{stats.tokens_per_s:.1f}</div><div class="k">tokens / s</div>'
             f'{sub}{page}</div>')

@@ -37,7 +37,7 @@ import torch
 import transformers
 
 from core.model import CACHE_DIR, BaseModel
-from core.kvcache import truncate
+from core.kvcache import KVCache, truncate
 from core.machine import cpu_fingerprint, measured_quietly, median_ms
 from core.tree import CandidateTree, chain_tree
 from core.verify import forward_tokens, verify_tree
@@ -158,25 +158,56 @@ def measure_profile(base: BaseModel, sizes: tuple[int, ...] = PROFILE_SIZES,
 
 def _measure_row(base: BaseModel, sizes: tuple[int, ...], context: int, repeats: int,
                  run: Callable[[Callable[[], T]], T] = _direct) -> list[float]:
-    prompt = torch.arange(1000, 1000 + context) % base.model.config.vocab_size
-    cache = base.new_cache(context + max(sizes))
-    run(_no_grad(lambda: forward_tokens(base, cache, prompt, torch.arange(context))))
+    cache = _prefilled_cache(base, context, max(sizes), run)
     medians = []
     for size in sizes:
-        tree = chain_tree(size - 1) if size > 1 else CandidateTree(paths=[])
-        buffers = tree.buffers()
-        tokens = torch.arange(2000, 2000 + size) % base.model.config.vocab_size
-
-        def verify() -> None:
-            verified = verify_tree(base, cache, tokens, buffers.attn_mask, buffers.position_ids)
-            verified.logits(list(range(0, size, 3)))  # acceptance projects about a third of the nodes
-
+        verify = _chain_verify(base, cache, size)
         medians.append(run(_no_grad(lambda: median_ms(verify, repeats, base.device,
                                                       setup=lambda: truncate(cache, context)))))
     # latency cannot fall with more tokens: smooth measurement noise
     for i in range(len(medians) - 2, -1, -1):
         medians[i] = min(medians[i], medians[i + 1])
     return medians
+
+
+def _prefilled_cache(base: BaseModel, context: int, room: int,
+                     run: Callable[[Callable[[], T]], T] = _direct) -> KVCache:
+    """A cache holding `context` made-up prompt tokens, with room for `room` more."""
+    prompt = torch.arange(1000, 1000 + context) % base.model.config.vocab_size  # [context]
+    cache = base.new_cache(context + room)
+    run(_no_grad(lambda: forward_tokens(base, cache, prompt, torch.arange(context))))
+    return cache
+
+
+def _chain_verify(base: BaseModel, cache: KVCache, size: int) -> Callable[[], None]:
+    """One verify of a chain tree of `size` nodes on top of `cache` (the caller crops it off again)."""
+    tree = chain_tree(size - 1) if size > 1 else CandidateTree(paths=[])
+    buffers = tree.buffers()
+    tokens = torch.arange(2000, 2000 + size) % base.model.config.vocab_size  # [size]
+
+    def verify() -> None:
+        verified = verify_tree(base, cache, tokens, buffers.attn_mask, buffers.position_ids)
+        verified.logits(list(range(0, size, 3)))  # acceptance projects about a third of the nodes
+    return verify
+
+
+WARM_SIZES = tuple(size for size in PROFILE_SIZES if 1 < size <= 64)  # the trees a page verifies
+
+
+def warm_verifies(base: BaseModel, sizes: tuple[int, ...] = WARM_SIZES,
+                  run: Callable[[Callable[[], T]], T] = _direct) -> None:
+    """One untimed verify of each size over a short context. Why: a process whose profile was read from
+    disk never ran a tree verify, and its first one paid 118-170 ms for a 16-row verify the benchmark
+    times at ~45 ms (gguf-q8, 2-core EPYC), landing in the user's first tree step."""
+    context = PROFILE_CONTEXTS[0]
+    cache = _prefilled_cache(base, context, max(sizes), run)
+    for size in sizes:
+        verify = _chain_verify(base, cache, size)
+
+        def verify_and_crop() -> None:
+            verify()
+            truncate(cache, context)
+        run(_no_grad(verify_and_crop))
 
 
 _MEASURING = threading.Lock()
