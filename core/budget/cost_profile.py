@@ -197,8 +197,8 @@ WARM_SIZES = tuple(size for size in PROFILE_SIZES if 1 < size <= 64)  # the tree
 def warm_verifies(base: BaseModel, sizes: tuple[int, ...] = WARM_SIZES,
                   run: Callable[[Callable[[], T]], T] = _direct) -> None:
     """One untimed verify of each size over a short context. Why: a process whose profile was read from
-    disk never ran a tree verify, and its first one paid 118-170 ms for a 16-row verify the benchmark
-    times at ~45 ms (gguf-q8, 2-core EPYC), landing in the user's first tree step."""
+    disk never ran a tree verify, and the first of a size pays more (a 64-row verify in gguf-q8 166 ms
+    against 129-138 after it, 2-core EPYC), in a user's tree step."""
     context = PROFILE_CONTEXTS[0]
     cache = _prefilled_cache(base, context, max(sizes), run)
     for size in sizes:
