@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
@@ -28,10 +30,10 @@ from playwright.sync_api import sync_playwright
 from offline.bench import PHASES
 from offline.served import REPO, served_app
 
-TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"  # where the page writes its JSON traces (app.TRACE_DIR)
+SERVED_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
 SLOW_STEP = 1.3  # a step this many times the run's median counts as slow
-# Playwright's default polling runs the predicate every animation frame: 60 frames a second of renderer work
-# (0.10-0.14 of a core during a run) that a person's browser does not do, taken from the decoding cores
+# the harness asks the page 4 times a second, not at every animation frame (Playwright's default); the
+# renderer's CPU during a run measured the same either way (Gradio's own frame loop dominates it)
 POLL_MS = 250
 
 
@@ -57,7 +59,7 @@ def _steps_seconds(row: dict) -> float:
 
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
-    with served_app(env={"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}) as (url, _):
+    with served_app(env=SERVED_ENV) as (url, _):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1440, "height": 900})
@@ -82,7 +84,7 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
             card = page.locator("#stats").inner_text()
             verdict = page.locator("#stats .card.speed .sub").first.inner_text()
             status = page.locator("#status").inner_text()
-            steps = _traced_steps(page)
+            steps = _traced_steps(page, url)
             browser.close()
     values = {"tokens": float(cards["tokens"]), "steps": float(cards["steps"]),
               "tokens_per_s": float(cards["tokens / s"])}
@@ -98,29 +100,27 @@ def _served_api(prompt: str, args: argparse.Namespace) -> dict:
     """The same run served to `gradio_client` (no browser on the cores): its trace's step times."""
     import gradio_client
 
-    with served_app(env={"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}) as (url, _):
+    with served_app(env=SERVED_ENV) as (url, _):
         client = gradio_client.Client(url, verbose=False, download_files=False)
         list(client.submit(prompt, strategy=args.strategy, budget=args.budget, precision=args.precision,
                            max_new_tokens=args.tokens, api_name="/run"))
-        before = set(TRACE_DIR.glob("medusa_trace_*.json"))
-        client.predict(api_name="/trace")
-        steps = _trace_stats(_newest_trace(before))
+        steps = _trace_stats(_downloaded_steps(client.predict(api_name="/trace")["url"]))
     return {"steps": None, "ms_per_step": steps["mean_ms"], "vs_plain": None, "trace": steps}
 
 
-def _newest_trace(before: set[Path]) -> list[dict]:
-    """The steps of the trace the page wrote since `before` was listed."""
-    written = sorted(set(TRACE_DIR.glob("medusa_trace_*.json")) - before, key=lambda path: path.stat().st_mtime)
-    return json.loads(written[-1].read_text())["steps"]
+def _downloaded_steps(url: str) -> list[dict]:
+    """The steps of the JSON trace the page serves at `url`."""
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read().decode("utf-8"))["steps"]
 
 
-def _traced_steps(page) -> dict:
+def _traced_steps(page, url: str) -> dict:
     """The run's steps as its own JSON trace times them (Export -> Build JSON trace): ms a step."""
-    before = set(TRACE_DIR.glob("medusa_trace_*.json"))
     page.get_by_text("Export", exact=True).first.click()  # the button sits in a closed accordion
     page.locator("#trace-btn").click()
-    page.locator("#trace-file a").first.wait_for(timeout=60_000)
-    return _trace_stats(_newest_trace(before))
+    link = page.locator("#trace-file a").first
+    link.wait_for(timeout=60_000)
+    return _trace_stats(_downloaded_steps(urllib.parse.urljoin(url, link.get_attribute("href"))))
 
 
 def _trace_stats(steps: list[dict]) -> dict:
