@@ -27,7 +27,7 @@ _HOMES = {
                  "STORE_STRATEGY",
                  "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "load_named_trees", "machine_precision",
                  "parse_custom_tree", "parse_settings", "parse_step_index"),
-    "shared": ("_PROFILES", "Runtime", "cost_profile", "decoding_takes_every_core", "header_line",
+    "shared": ("_PROFILES", "Runtime", "cost_profile", "header_line",
                "measure_forward_seconds", "runtime",
                "warm_up"),
     "modes": ("PAUSED", "READY", "RUNNING", "STOPPED"),
@@ -39,6 +39,8 @@ _HOMES = {
     "lifecycle": ("DROPPED_STEP", "check_now", "decoding_state", "ensure_run", "export_trace", "facts_of",
                   "note_page_time", "record_lab", "record_run", "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
                   "step_once", "step_run", "stop", "wait_idle"),
+    # core's own, for the page (app.py reaches core through labstate alone)
+    "core.machine": ("decoding_takes_every_core",),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -51,6 +53,6 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'labstate' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"labstate.{module}"), name)
+    value = getattr(importlib.import_module(module if "." in module else f"labstate.{module}"), name)
     globals()[name] = value
     return value

@@ -17,7 +17,7 @@ from core.drafters.medusa import MedusaHeads
 from core.drafters.hydra import HydraHeads
 from core.families import FAMILIES, HYDRA, MEDUSA, family
 from core.kvcache import truncate
-from core.machine import decoding_takes_every_core, median_ms  # noqa: F401  (decoding_takes_every_core: for the page)
+from core.machine import median_ms
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
 from core.budget.cost_profile import (CostProfile, profile_cached, provisional_profile, verify_profile,
                                       warm_verifies)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from core.drafters.eagle import eagle_taps
 from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, fast_bf16_batched, load_base_model
 from core.sampling import SamplingConfig, sampling_probs
 from offline.sharegpt import load_sharegpt_prompts
@@ -109,6 +110,9 @@ class AnswerFeatures:
     hidden: torch.Tensor  # [n, H] bf16: the last hidden state that predicted answer[j]
     teacher_ids: torch.Tensor  # [n, TEACHER_TOP] int32: the model's top next tokens there
     teacher_probs: torch.Tensor  # [n, TEACHER_TOP] float16: their probabilities
+    # [T, n, H] bf16: the residual streams entering the EAGLE taps' layers there (`eagle_taps`);
+    # None from generators before round 29 (offline.eagle_features extracts those answers again)
+    tapped: torch.Tensor | None = None
 
 
 def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
@@ -147,7 +151,7 @@ class _Slot:
     def __init__(self, key: object) -> None:
         self.key = key
         self.answer: list[int] = []
-        self.captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.captured: list[tuple[torch.Tensor, ...]] = []  # per answer token: hidden, top ids, probs[, tapped]
 
 
 class ContinuousBatcher:
@@ -157,7 +161,8 @@ class ContinuousBatcher:
     preallocated `SlotCache` at its own length; a row that reaches EOS or the token limit is
     handed back at once and its slot refilled with the next prompt (prefilled alone into that
     slot), so the batch stays full until the queue runs dry. Greedy by default; features (the
-    hidden state and the teacher's top-32 behind every answer token) are kept on request.
+    hidden state and the teacher's top-32 behind every answer token, and the residual streams the
+    EAGLE drafter reads there, so its training needs no second forward either) are kept on request.
     """
 
     def __init__(self, base: BaseModel, max_new_tokens: int, *, slots: int = 64, max_prompt_tokens: int = 384,
@@ -172,6 +177,7 @@ class ContinuousBatcher:
         self.keep_features = keep_features
         self.eos = base.eos_token_ids
         self.generator = torch.Generator().manual_seed(0)
+        self.taps = eagle_taps(base.model.config.num_hidden_layers) if keep_features else ()
 
     @torch.inference_mode()
     def run(self, items: list[tuple[object, list[int]]]) -> Iterator[Finished]:
@@ -193,8 +199,9 @@ class ContinuousBatcher:
             live = [i for i, slot in enumerate(slots) if slot is not None]
             if not live:
                 return
-            hidden = self.engine.forward_slots(last, cache)  # [B, H]
-            chosen = self._choose(hidden[live], [slots[i] for i in live])  # [live]
+            hidden, tapped = self.engine.forward_slots_tapped(last, cache, self.taps)  # [B, H], [T, B, H]
+            chosen = self._choose(hidden[live], [slots[i] for i in live],
+                                  tapped[:, live] if tapped is not None else None)  # [live]
             for index, token in zip(live, chosen.tolist()):
                 last[index] = token
                 done = self._append(slots, index, token)
@@ -209,15 +216,16 @@ class ContinuousBatcher:
             raise ValueError(f"a prompt of {len(ids)} tokens exceeds max_prompt_tokens")
         cache.lengths[index] = 0
         view = cache.slot(index)
-        hidden = self.engine.forward(torch.tensor(ids), torch.arange(len(ids)), view)[-1:]  # [1, H]
+        hidden, tapped = self.engine.prefill_slot(torch.tensor(ids), view, self.taps)  # [n, H], [T, n, H]
         slot = _Slot(key)
         slots[index] = slot
-        token = int(self._choose(hidden, [slot])[0])
+        token = int(self._choose(hidden[-1:], [slot], tapped[:, -1:] if tapped is not None else None)[0])
         last[index] = token
         return self._append(slots, index, token)
 
-    def _choose(self, hidden: torch.Tensor, owners: list[_Slot]) -> torch.Tensor:
-        """The next token of each row of hidden [b, H]; records the features when asked."""
+    def _choose(self, hidden: torch.Tensor, owners: list[_Slot], tapped: torch.Tensor | None = None) -> torch.Tensor:
+        """The next token of each row of hidden [b, H]; records the features when asked (with the
+        rows' tapped residual streams [T, b, H] when given)."""
         logits = self.engine.project(hidden).float()  # [b, V]
         if self.sampling.greedy:
             chosen = logits.argmax(-1)  # [b]
@@ -226,7 +234,9 @@ class ContinuousBatcher:
         if self.keep_features:
             top = torch.topk(logits, TEACHER_TOP, dim=-1)  # [b, top] the softmax's top = the logits' top
             probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # [b, top]
-            rows = (hidden.to(torch.bfloat16).cpu(), top.indices.int().cpu(), probs.half().cpu())
+            rows = [hidden.to(torch.bfloat16).cpu(), top.indices.int().cpu(), probs.half().cpu()]
+            if tapped is not None:
+                rows.append(tapped.transpose(0, 1).to(torch.bfloat16).cpu())  # [b, T, H]
             for position, owner in enumerate(owners):
                 owner.captured.append(tuple(t[position] for t in rows))
         return chosen
@@ -239,7 +249,9 @@ class ContinuousBatcher:
         slots[index] = None
         features = None
         if self.keep_features:
-            features = AnswerFeatures(*(torch.stack(parts) for parts in zip(*slot.captured)))
+            stacked = [torch.stack(parts) for parts in zip(*slot.captured)]  # hidden, ids, probs[, tapped [n, T, H]]
+            tapped = stacked[3].transpose(0, 1).contiguous() if len(stacked) > 3 else None  # [T, n, H]
+            features = AnswerFeatures(*stacked[:3], tapped=tapped)
         return Finished(key=slot.key, answer=slot.answer, features=features)
 
 
@@ -305,6 +317,8 @@ def _save_shard(folder: Path, rows: list[dict], features: list[AnswerFeatures]) 
              "hidden": torch.cat([f.hidden for f in features]),  # [n, H] bf16
              "teacher_ids": torch.cat([f.teacher_ids for f in features]),  # [n, top] int32
              "teacher_probs": torch.cat([f.teacher_probs for f in features])}  # [n, top] f16
+    if all(f.tapped is not None for f in features):
+        shard["tapped"] = torch.cat([f.tapped for f in features], dim=1)  # [T, n, H] bf16
     partial = folder / f"{index:06d}.pt.partial"
     torch.save(shard, partial)
     partial.replace(folder / f"{index:06d}.pt")
@@ -370,9 +384,10 @@ def _write_answers(sink, config: GenConfig, items: list[dict], finished: list[Fi
     sink.flush()
 
 
-def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
+def load_captured(out: Path, tapped: bool = False) -> tuple[list[dict], dict[str, AnswerFeatures]]:
     """The rows of `out` and, by row id, the features captured while writing them (rows
-    without captured features, e.g. from an older generator, are simply absent there).
+    without captured features, e.g. from an older generator, are simply absent there); the
+    tapped residual streams only when `tapped` (the EAGLE features; the heads never read them).
 
     A row's features are in the last shard that holds its id: a shard written by a run killed
     before its rows were (an orphan) may hold an earlier answer to the same prompt."""
@@ -386,8 +401,9 @@ def load_captured(out: Path) -> tuple[list[dict], dict[str, AnswerFeatures]]:
         for row_id, end, length in zip(shard["ids"], ends, shard["lengths"]):
             if row_id in wanted:  # later shards overwrite orphans
                 cut = slice(end - length, end)
+                streams = shard["tapped"][:, cut] if tapped and "tapped" in shard else None  # [T, length, H]
                 found[row_id] = AnswerFeatures(shard["hidden"][cut], shard["teacher_ids"][cut],
-                                               shard["teacher_probs"][cut])
+                                               shard["teacher_probs"][cut], tapped=streams)
     return rows, found
 
 

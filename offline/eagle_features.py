@@ -4,9 +4,10 @@
 
 At answer position j the base model's states at the token before answer[j] are captured: the
 residual stream entering the decoder layers `eagle_taps` names (low, middle) and the final normed hidden
-state (high: what the lm_head reads), each bf16, with the teacher's top-32 there. One
-teacher-forced forward per batch of answers; written in shards under `data/eagle/` so a stopped
-run resumes where it stopped. Answers are never committed (only their token ids are: docs/DATA.md).
+state (high: what the lm_head reads), each bf16, with the teacher's top-32 there. Answers whose
+generation kept them (`offline.datagen` captures the taps while writing since round 29) are read
+from `<data>.features/`; the others take one teacher-forced forward per batch of answers. Written
+in shards under `data/eagle/` so a stopped run resumes where it stopped. Answers are never committed (only their token ids are: docs/DATA.md).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from core.drafters.eagle import eagle_taps
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
-from offline.datagen import TEACHER_TOP
+from offline.datagen import TEACHER_TOP, AnswerFeatures, features_dir, load_captured
 from offline.train import padded_rows
 
 FEATURES_DIR = REPO_ROOT / "data" / "eagle"
@@ -84,8 +85,34 @@ def shard_path(data: Path, index: int) -> Path:
     return FEATURES_DIR / f"{data.name.split('.')[0]}-{index:04d}.pt"
 
 
-def extract_file(base: BaseModel, data: Path, limit: int = 0) -> None:
-    """Every shard of `data` not on disk yet (answers of >= 2 tokens, in file order)."""
+def from_captured(row: dict, captured: AnswerFeatures) -> FusedFeatures:
+    """One answer's features as the generator captured them while writing it (no forward): its
+    tapped streams are the low and middle states, its hidden state the high one."""
+    count = len(row["answer_ids"])
+    low, mid = captured.tapped  # [count, H] each
+    return FusedFeatures(low=low, mid=mid, high=captured.hidden, tokens=torch.tensor(row["answer_ids"]),
+                         remaining=torch.arange(count - 1, -1, -1), teacher_ids=captured.teacher_ids,
+                         teacher_probs=captured.teacher_probs)
+
+
+def shard_features(base: BaseModel | None, rows: list[dict], captured: dict[str, AnswerFeatures]) -> FusedFeatures:
+    """The features of `rows`: read from what generation captured where it kept the taps, else
+    from one teacher-forced forward per batch (similar lengths batched together: less padding)."""
+    kept = [r for r in rows if r["id"] in captured and captured[r["id"]].tapped is not None]
+    rest = sorted((r for r in rows if not (r["id"] in captured and captured[r["id"]].tapped is not None)),
+                  key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
+    parts = [from_captured(r, captured[r["id"]]) for r in kept]
+    if rest:
+        if base is None:
+            raise ValueError(f"{len(rest)} answers have no captured taps and no model was given to extract them")
+        parts.append(extract(base, rest))
+    return concat(parts)
+
+
+def extract_file(base: BaseModel | None, data: Path, limit: int = 0) -> None:
+    """Every shard of `data` not on disk yet (answers of >= 2 tokens, in file order); answers whose
+    generation captured the taps (`offline.datagen`, `<data>.features/`) need no forward."""
+    captured = load_captured(data, tapped=True)[1] if features_dir(data).exists() else {}
     rows = [r for r in read_rows(data) if len(r["answer_ids"]) >= 2]
     rows = rows[:limit] if limit else rows
     FEATURES_DIR.mkdir(parents=True, exist_ok=True)
@@ -94,10 +121,8 @@ def extract_file(base: BaseModel, data: Path, limit: int = 0) -> None:
         path = shard_path(data, index // SHARD_ANSWERS)
         if path.exists():
             continue
-        # within a shard, similar lengths batched together (less padding)
-        chunk = sorted(rows[index:index + SHARD_ANSWERS], key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
         partial = path.with_suffix(".partial")
-        torch.save(asdict(extract(base, chunk)), partial)
+        torch.save(asdict(shard_features(base, rows[index:index + SHARD_ANSWERS], captured)), partial)
         partial.replace(path)
 
 

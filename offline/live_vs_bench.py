@@ -50,7 +50,15 @@ def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
     # the decoding steps' own clock, as the page's card times them (the rows' seconds also hold the prefill)
     steps_s, plain_s = _steps_seconds(row), _steps_seconds(plain)
     return {"steps": row["steps"], "tokens": row["new_tokens"], "ms_per_step": 1000 * steps_s / row["steps"],
+            "ms_per_token": round(1000 * steps_s / row["new_tokens"], 3), "mix": _step_mix(row["step_nodes"]),
             "vs_plain": round(plain_s / plain["new_tokens"] * row["new_tokens"] / steps_s, 3)}
+
+
+def _step_mix(nodes: list[int]) -> dict[str, int]:
+    """Steps by the size of the tree they verified: an adaptive budget times its choices, so a run
+    beside a browser may take other steps than the benchmark's (then ms a token is the fair figure)."""
+    bins = {"plain": (0, 0), "1-3": (1, 3), "4-15": (4, 15), "16+": (16, 10**6)}
+    return {name: sum(low <= n <= high for n in nodes) for name, (low, high) in bins.items()}
 
 
 def _steps_seconds(row: dict) -> float:
@@ -126,11 +134,14 @@ def _traced_steps(page, url: str) -> dict:
 def _trace_stats(steps: list[dict]) -> dict:
     """Mean and median ms a step by the steps' own clock, the first tree step and the slow steps."""
     ms = [1000 * step["times"]["total"] for step in steps]
+    tokens = sum(len(step["new_tokens"]) for step in steps)
     median = statistics.median(ms)
     first_tree = next((i for i, step in enumerate(steps) if step["times"]["verify"] and step["outcome"]["tree"]
                        .get("paths")), None)
     slow = [round(t, 1) for t in ms if t > SLOW_STEP * median]
     return {"mean_ms": round(statistics.fmean(ms), 2), "median_ms": round(median, 2),
+            "ms_per_token": round(sum(ms) / tokens, 3),
+            "mix": _step_mix([len(step["outcome"]["tree"].get("paths", [])) for step in steps]),
             "first_tree_step_ms": round(ms[first_tree], 1) if first_tree is not None else None,
             "slow_steps": len(slow), "slow_ms": slow}
 
@@ -154,10 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     live = (_served_api if args.client == "api" else _live)(row["turns"][0], args)
     after = _bench(row, spec, args.precision, args.tokens)
     bench_ms = (before["ms_per_step"] + after["ms_per_step"]) / 2
+    bench_ms_per_token = (before["ms_per_token"] + after["ms_per_token"]) / 2
     bench_vs_plain = (before["vs_plain"] + after["vs_plain"]) / 2
     print(json.dumps({"spec": spec, "precision": args.precision, "bench_before": before, "live": live,
                       "bench_after": after, "live_over_bench": round(live["ms_per_step"] / bench_ms, 3),
                       "trace_median_over_bench": round(live["trace"]["median_ms"] / bench_ms, 3),
+                      "per_token_live_over_bench": round(live["trace"]["ms_per_token"] / bench_ms_per_token, 3),
                       "client": args.client,
                       "verdict_live_over_bench": (round(live["vs_plain"] / bench_vs_plain, 3)
                                                   if live["vs_plain"] else None)}, indent=1))

@@ -47,6 +47,34 @@ def test_captured_features_are_what_a_forward_gives(base):
         assert captured.teacher_ids[:, 0].tolist() == answer  # greedy: the teacher's top-1 is the answer
 
 
+def test_captured_taps_are_the_eagle_features_a_forward_gives(tmp_path):
+    """Generation keeps the residual streams the EAGLE layer reads; its training shards built from
+    them equal those of a teacher-forced forward over the written answers (no second forward)."""
+    from core.drafters.eagle import eagle_taps
+    from offline.eagle_features import extract, shard_features
+
+    base = tiny_base("llama", num_hidden_layers=6)  # low, middle and last states all differ
+    config = _config(tmp_path)
+    answer_prompts(base, PROMPTS[:4], config)
+    rows, found = load_captured(config.out, tapped=True)
+    assert all(found[r["id"]].tapped.shape == (2, len(r["answer_ids"]), base.model.config.hidden_size) for r in rows)
+    assert load_captured(config.out)[1][rows[0]["id"]].tapped is None  # the heads' trainers never load them
+    rows = [r for r in rows if len(r["answer_ids"]) >= 2]
+    captured, forward = shard_features(None, rows, found), extract(base, rows)
+    assert eagle_taps(base.model.config.num_hidden_layers) == (2, 3)
+    assert captured.tokens.tolist() == forward.tokens.tolist() == [t for r in rows for t in r["answer_ids"]]
+    assert captured.remaining.tolist() == forward.remaining.tolist()
+    for name in ("low", "mid", "high"):
+        assert torch.allclose(getattr(captured, name).float(), getattr(forward, name).float(), atol=3e-2), name
+    assert captured.teacher_ids[:, 0].tolist() == forward.teacher_ids[:, 0].tolist()
+    # an answer written before generation kept the taps is extracted; without a model that is an error
+    del found[rows[0]["id"]]
+    with pytest.raises(ValueError, match="no captured taps"):
+        shard_features(None, rows, found)
+    mixed = shard_features(base, rows, found)
+    assert sorted(mixed.tokens.tolist()) == sorted(forward.tokens.tolist())
+
+
 def test_interrupted_between_features_and_rows_resumes_exactly(base, tmp_path, monkeypatch):
     reference = _reference(base, tmp_path)
     config = _config(tmp_path)

@@ -54,8 +54,8 @@ EAGLE_DEPTH = 6  # the deepest draft
 
 def eagle_taps(num_layers: int) -> tuple[int, int]:
     """The residual streams the draft layer reads besides the final hidden state: those entering
-    layer 2 (low) and the middle layer (mid), as EAGLE-3 picks them."""
-    return 2, num_layers // 2
+    layer 2 (low; the last layer of a smaller model) and the middle layer (mid), as EAGLE-3 picks them."""
+    return min(2, num_layers - 1), num_layers // 2
 
 
 @dataclass(frozen=True)

@@ -404,10 +404,24 @@ class LeanLlama:
     def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """One batched decoding step: token input_ids[b] appended to slot b at its own length.
         Returns hidden [B, H]."""
+        return self.forward_slots_tapped(input_ids, cache)[0]
+
+    @torch.inference_mode()
+    def forward_slots_tapped(self, input_ids: torch.Tensor, cache: SlotCache, taps: tuple[int, ...] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_slots`, plus the residual stream entering each layer of `taps` ([T, B, H], None
+        when none): what an EAGLE-style drafter trains on, captured while generating."""
         step = SlotStep(cache)  # brings its own per-group masks
-        hidden = self._layers(input_ids[:, None].to(self.device), step.at[:, None], step, None)
+        tapped: dict[int, torch.Tensor] = {}
+        hidden = self._layers(input_ids[:, None].to(self.device), step.at[:, None], step, None, taps, tapped)
         step.advance()
-        return hidden[:, 0]  # [B, H]
+        return hidden[:, 0], (torch.stack([tapped[t][:, 0] for t in taps]) if taps else None)  # [B, H], [T, B, H]
+
+    def prefill_slot(self, input_ids: torch.Tensor, view: SlotView, taps: tuple[int, ...] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt input_ids [n] into one slot of batched generation (causal, from position 0):
+        hidden [n, H] and the tapped residual streams [T, n, H] (None when no taps)."""
+        return self.forward_tapped(input_ids, torch.arange(int(input_ids.shape[0])), view, taps=taps)
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -546,6 +560,14 @@ class OnLeanForward:
     def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """Batched generation (data generation) runs on the lean forward."""
         return self.lean.forward_slots(input_ids, cache)
+
+    def forward_slots_tapped(self, input_ids: torch.Tensor, cache: SlotCache, taps: tuple[int, ...] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.lean.forward_slots_tapped(input_ids, cache, taps)
+
+    def prefill_slot(self, input_ids: torch.Tensor, view: SlotView, taps: tuple[int, ...] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.lean.prefill_slot(input_ids, view, taps)
 
 
 def time_kernels(matmuls: list[Matmul], rows_by_bucket: dict[int, int], repeats: int = KERNEL_REPEATS
