@@ -71,6 +71,7 @@ class GenConfig:
     sharegpt: int = 0
     max_new_tokens: int = 256
     max_prompt_tokens: int = 384
+    max_answers: int = 0  # the out file holds at most this many answers (0: no limit)
     batch_size: int = 32  # answers per written shard
     slots: int = 64  # rows decoded together (continuous batching)
     dtype: str = "fp32"
@@ -356,6 +357,8 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     window = config.slots * 8
     todo = [p for start in range(0, len(todo), window)
             for p in sorted(todo[start:start + window], key=lambda p: len(p["ids"]))]
+    if config.max_answers:
+        todo = todo[:max(0, config.max_answers - len(done))]
     tokens = 0
     start_time = time.time()
     by_id = {p["id"]: p for p in todo}
@@ -428,12 +431,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", default="", help="comma-separated source prefixes to answer, e.g. gpteacher,self/")
     parser.add_argument("--skip-answered", default="", help="comma-separated answer files whose prompts are done")
+    parser.add_argument("--max-answers", type=int, default=0, help="answers the out file holds at most (0: no limit)")
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
                        sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, slots=args.slots,
                        dtype=args.dtype or generation_precision(), seed=args.seed,
                        families=tuple(f for f in args.families.split(",") if f),
-                       skip_answered=tuple(Path(f) for f in args.skip_answered.split(",") if f))
+                       skip_answered=tuple(Path(f) for f in args.skip_answered.split(",") if f),
+                       max_answers=args.max_answers)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     base = load_base_model(ModelConfig(dtype=config.dtype))
     prompts = load_train_prompts(config.train_prompts, config.seed) if config.train_prompts else []

@@ -167,3 +167,15 @@ def test_answers_committed_elsewhere_and_other_families_are_skipped(base, tmp_pa
     answer_prompts(base, prompts, config)
     assert {row["id"] for row in datagen.read_rows(config.out)} == {p["id"] for p in PROMPTS} - {"p1"}
     assert datagen._self_prompt_id(0, 3) == "self-3" and datagen._self_prompt_id(1, 3) == "self-s1-3"
+
+
+def test_a_capped_run_holds_at_most_max_answers_across_resumes(base, tmp_path):
+    """`max_answers` caps the file, not one run: a resumed run answers only what is missing."""
+    config = GenConfig(out=tmp_path / "gen.jsonl", max_new_tokens=4, batch_size=2, max_answers=3)
+    answer_prompts(base, PROMPTS[:2], config)
+    assert len(datagen.read_rows(config.out)) == 2
+    answer_prompts(base, PROMPTS, config)
+    assert len(datagen.read_rows(config.out)) == 3
+    answer_prompts(base, PROMPTS, config)
+    rows, found = load_captured(config.out)
+    assert len(rows) == 3 and set(found) == {r["id"] for r in rows}
