@@ -44,7 +44,7 @@ from torch import nn
 from core.drafters.layers import RMSNorm, read_weights, save_weights, take_draft_vocab
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
-from core.drafters.grown import GrownNode, GrownTree, Growth
+from core.drafters.grown import GrownNode, GrownTree, Growth, expand
 
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
@@ -248,15 +248,8 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         row = frontier.index(greedy)
         greedy_probs.append(probs[row])
         greedy_ids.append(ids[row])
-        level_nodes = []
-        for parent, row_probs, row_ids in zip(frontier, probs.tolist(), ids.tolist()):
-            first_child = len(level_nodes)
-            for p, token in zip(row_probs, row_ids):
-                level_nodes.append(GrownNode(path=parent.path + (len(level_nodes),), tokens=parent.tokens + (token,),
-                                         score=parent.score * p))
-            if parent is greedy:
-                next_greedy = level_nodes[first_child]
-        greedy = next_greedy
+        level_nodes = expand(frontier, probs.tolist(), ids.tolist())  # probs.shape[1] per parent, frontier order
+        greedy = level_nodes[row * probs.shape[1]]  # the greedy parent's best child
         grown += level_nodes
         # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed; the
         # greedy chain is always expanded, so the heads table shows one path's conditionals
