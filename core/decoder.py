@@ -42,7 +42,7 @@ from core.strategy import (AUTOREGRESSIVE, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DE
 from core.sampling import next_token
 from core.tree import CandidateTree, RankPath, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
-from core.verify import VerifyOutput, forward_tokens, verify_tree
+from core.verify import VerifyOutput, WalkedRows, forward_tokens, verify_tree
 
 
 
@@ -488,7 +488,8 @@ class DecodeSession:
         out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
         return out
 
-    def _accept(self, draft: DraftTree, out: VerifyOutput, generator: torch.Generator | None = None) -> TreeOutcome:
+    def _accept(self, draft: DraftTree, out: VerifyOutput | WalkedRows, generator: torch.Generator | None = None
+                ) -> TreeOutcome:
         """The acceptance rule on a verified tree (`generator`: the random source of sampling rules,
         default the session's own) and what the record shows of it."""
         tree = draft.tree
@@ -503,7 +504,7 @@ class DecodeSession:
                            lookup_rank=draft.first_chain_rank if draft.chains else None,
                            chain_sources=tuple(c.source for c in draft.chains), head_scores=draft.node_head_scores())
 
-    def _dressed(self, outcome: TreeOutcome, out: VerifyOutput) -> TreeOutcome:
+    def _dressed(self, outcome: TreeOutcome, out: VerifyOutput | WalkedRows) -> TreeOutcome:
         """A verified tree with what only the page reads (node texts, the base model's top token at each
         projected row), timed as the step's texts, outside its decoding phases."""
         if not self.page.texts:
@@ -567,11 +568,16 @@ class DecodeSession:
         """A tree verified and judged on the current context, then dropped from the cache (UI only).
 
         It sees a copy of the session's random state: the draws the real tree will see, never
-        advanced (ticking a comparison must not change the sampled text)."""
+        advanced (ticking a comparison must not change the sampled text). Speculative sampling reads
+        only the rows of the path it walks: those alone are computed, one token at a time (`WalkedRows`)."""
         context = cache_length(self.cache)
         twin = torch.Generator()
         twin.set_state(self.generator.get_state())
-        verified = self._verify(draft)
+        if self.config.accept.rule == "speculative" and not self.config.accept.sampling.greedy:
+            tokens = draft.tree.node_tokens(self.root_token, draft.token_table).tolist()  # [n+1]
+            verified = WalkedRows(self.base, self.cache, draft.tree.parents, tokens)
+        else:
+            verified = self._verify(draft)
         with self._page_texts():
             outcome = self._dressed(self._accept(draft, verified, twin), verified)
         truncate(self.cache, context)

@@ -87,6 +87,41 @@ def forward_tokens(base: BaseModel, cache: KVCache, input_ids: torch.Tensor, pos
     return VerifyOutput(out.last_hidden_state[0], base.lm_head, tapped)  # hidden [n, H]
 
 
+class WalkedRows:
+    """A tree's rows computed on demand down one path, for a rule that reads only the rows of the
+    nodes it walks (speculative sampling): each row is a one-token forward on top of the cache, as
+    plain decoding runs it (bitwise a tree verify's row on the exact kernels), so judging a 64-node
+    tree beside a step costs the rows of its accepted path, not a 64-row verify. The caller drops
+    the walked rows from the cache afterwards (`truncate`). Same reading interface as `VerifyOutput`."""
+
+    def __init__(self, base: BaseModel, cache: KVCache, parents: list[int], node_tokens: list[int]) -> None:
+        self.base, self.cache = base, cache
+        self.parents, self.node_tokens = parents, node_tokens  # [n+1] each, root first
+        self.walked: list[int] = []
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def row(self, index: int) -> torch.Tensor:
+        """float32 logits after node `index` [V]: the root first, then a child of the last node walked."""
+        if index in self._rows:
+            return self._rows[index]
+        expected_parent = self.walked[-1] if self.walked else -1
+        if self.parents[index] != expected_parent:
+            raise ValueError(f"rows are walked down one path: node {index} is not a child of node {expected_parent}")
+        position = torch.tensor([int(self.cache.get_seq_length())])
+        out = forward_tokens(self.base, self.cache, torch.tensor([self.node_tokens[index]]), position)
+        self._rows[index] = out.row(0)
+        self.walked.append(index)
+        return self._rows[index]
+
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        """float32 logits of `rows` (walked in order): [len(rows), V]."""
+        return torch.stack([self.row(r) for r in rows])
+
+    def projected_argmax(self, rows: int) -> list[int]:
+        """The base model's top token after each of the first `rows` nodes; -1 where not walked."""
+        return [int(self._rows[r].argmax()) if r in self._rows else -1 for r in range(rows)]
+
+
 def plain_step_bias(base: BaseModel, past_len: int) -> torch.Tensor | None:
     """transformers' forward, one-token step: no mask, or an all-zero float mask (both exact).
 

@@ -302,3 +302,68 @@ def test_the_greedy_fixed_tree_comparison_equals_verifying_the_whole_fixed_tree(
         assert all(a == b for a, b in zip(ours.base_top_tokens, theirs.base_top_tokens) if a >= 0 and b >= 0)
         deeper += len(ours.accepted_nodes) > len(step.accepted_nodes)
     assert deeper >= 2
+
+
+@pytest.mark.parametrize("engine", ["exact", "lean"])
+def test_a_sampled_runs_comparisons_walk_only_the_rows_they_read(engine):
+    """Under speculative sampling the page's fixed-tree comparison computes only the rows of the path
+    the rule walks (one token at a time, `WalkedRows`): every step's accepted nodes, bonus and sampled
+    text equal a full verify of the fixed tree on the same context and random state, each walked row is
+    that verify's row (bitwise on the exact kernels), and the walks read far fewer rows than the trees
+    hold (tiny models)."""
+    from core.accept import AcceptConfig
+    from core.kvcache import truncate
+    from core.sampling import SamplingConfig
+    from tests.tiny import tiny_base, tiny_heads
+    import core.decoder as decoder
+
+    base = tiny_base("llama", num_hidden_layers=4, engine=engine)
+    heads = tiny_heads(base, std=0.5)
+    prompt = list(b"the cat sat on the mat and the cat sat on the")
+    config = DecodeConfig(spec="dynamic:6", max_new_tokens=30, top_m=6, seed=3,
+                          accept=AcceptConfig(rule="speculative", sampling=SamplingConfig(temperature=0.7)))
+    rows_of = {True: [], False: []}  # per comparison: {node: its row's logits} of the nodes walked
+
+    class RecordedWalk(decoder.WalkedRows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            rows_of[True].append(self._rows)
+
+    def full_verify_aside(session, draft):
+        context = decoder.cache_length(session.cache)
+        twin = torch.Generator()
+        twin.set_state(session.generator.get_state())
+        verified = session._verify(draft)
+        with session._page_texts():
+            outcome = session._dressed(session._accept(draft, verified, twin), verified)
+        rows_of[False].append({node: verified.row(node) for node in outcome.accepted_nodes})
+        truncate(session.cache, context)
+        return outcome
+
+    def run(walk: bool) -> tuple[list, list[int]]:
+        session = start_session(base, heads, prompt, config, page=PageViews(fixed=True))
+        if not walk:
+            session._verify_aside = lambda draft: full_verify_aside(session, draft)
+        while not session.finished:
+            session.step()
+        return [r.comparison for r in session.records if r.comparison is not None], session.output_ids
+
+    original = decoder.WalkedRows
+    decoder.WalkedRows = RecordedWalk
+    try:
+        walked, walked_text = run(True)
+    finally:
+        decoder.WalkedRows = original
+    full, full_text = run(False)
+    assert walked_text == full_text  # the comparison never touches the sampled text
+    assert len(walked) == len(full) == len(rows_of[True]) == len(rows_of[False]) > 5
+    for ours, theirs, our_rows, their_rows in zip(walked, full, rows_of[True], rows_of[False]):
+        assert ours.accepted_nodes == theirs.accepted_nodes and ours.bonus_token == theirs.bonus_token
+        assert list(our_rows) == ours.accepted_nodes  # the walk computed the accepted path's rows alone
+        for node, row in our_rows.items():
+            if engine == "exact":
+                assert torch.equal(row, their_rows[node])
+            else:
+                assert torch.allclose(row, their_rows[node], atol=1e-4)
+    walked_count = sum(len(rows) for rows in rows_of[True])
+    assert walked_count < sum(c.tree.num_nodes + 1 for c in walked) / 3  # against a full verify's rows
