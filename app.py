@@ -198,7 +198,7 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
         with lab.working():
             drawn_at, latest = 0.0, note
             for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab),
-                                               clicked_at=clicked_at):
+                                               clicked_at=clicked_at, burst_s=RUN_REDRAW_S):
                 SESSIONS.touch(key, lab)
                 latest = " ".join(m for m in (note, message) if m)
                 if time.monotonic() - drawn_at >= RUN_REDRAW_S:  # a redraw competes with decoding for the cores

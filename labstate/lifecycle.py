@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from core.decoder import start_session
 from core.records import StepRecord
@@ -24,6 +24,9 @@ from labstate.sessions import LabState, SessionRegistry
 from labstate.settings import Settings
 from viz.facts import RunFacts, RunStats, summary
 from viz.trace import trace_json
+
+
+T = TypeVar("T")
 
 
 def acquire(lab: LabState) -> None:
@@ -79,6 +82,31 @@ def step_run(lab: LabState, run: Run, epoch: int | None = None, clicked_at: floa
     lock: a Step that passed its early check just before Stop and read the epoch just after it
     would otherwise step once Stop had drawn the run as stopped.
     """
+    return _locked_steps(lab, run, epoch, clicked_at, run.session.step)
+
+
+def step_burst(lab: LabState, run: Run, epoch: int, clicked_at: float | None, seconds: float) -> int | None:
+    """Steps of `run` back to back on the tensor thread for up to `seconds` (at least one), ending after
+    the step in flight when the run finishes or Stop, Start, Reset or eviction bump the epoch; the number
+    of steps, or None when dropped (as `step_run`). Why: handing each step to the tensor thread woke the
+    request's thread and the tensor thread once a step, and on a machine whose cores the decoding's
+    OpenMP team fills, each wake-up preempts it (2-core EPYC, one process, `dynamic:auto+lookup`: the
+    tensor thread preempted ~370 times in a 122-step run against ~7 with the steps back to back, 5.98 /
+    5.53 ms a step against 5.71 / 5.28)."""
+    def burst() -> int:
+        deadline, count = time.monotonic() + seconds, 0
+        while True:
+            run.session.step()
+            count += 1
+            if (run.session.finished or lab.epoch != epoch or lab.run is not run
+                    or time.monotonic() >= deadline):
+                return count
+    return _locked_steps(lab, run, epoch, clicked_at, burst)
+
+
+def _locked_steps(lab: LabState, run: Run, epoch: int | None, clicked_at: float | None,
+                  work: Callable[[], T]) -> T | None:
+    """`work` (one step or a burst) on the tensor thread under the user's lock, unless dropped: None."""
     if run.session.finished:
         raise _finished_notice(run)
     acquire(lab)
@@ -91,7 +119,7 @@ def step_run(lab: LabState, run: Run, epoch: int | None = None, clicked_at: floa
             raise _finished_notice(run)
         run.stepping = True
         try:
-            return run_on_tensor_thread(run.session.step)  # a finished session frees its own KV cache
+            return run_on_tensor_thread(work)  # a finished session frees its own KV cache
         finally:
             run.stepping = False
     finally:
@@ -144,8 +172,10 @@ def step_once(lab: LabState, prompt: str, settings: Settings, clicked_at: float 
 
 
 def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[], bool],
-               clicked_at: float | None = None) -> Iterator[str]:
-    """Step to the end, yielding the status message after every step (the caller redraws).
+               clicked_at: float | None = None, burst_s: float = 0.0) -> Iterator[str]:
+    """Step to the end, yielding the status message after every step (the caller redraws), or, with
+    `burst_s`, after the first step and then after every burst of steps that long (`step_burst`: the
+    page redraws no more often anyway).
 
     Stops between steps when `alive()` turns false (the session was evicted: SessionExpired) or when
     Stop, Start or Reset bumped the state's epoch (quietly). The caller may also close the generator.
@@ -157,13 +187,19 @@ def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[
     run, note = ensure_run(lab, prompt, settings)
     epoch = lab.epoch
     run.mode = RUNNING
+    stepped_once = False  # the first step alone: the page shows a step at once, then bursts
     try:
         while not run.session.finished:
             if not alive():
                 raise SessionExpired("Your session expired while running (the lab needed room). Press **Start** "
                                      "to begin again.")
-            if lab.run is not run or step_run(lab, run, epoch, clicked_at) is None:
+            if lab.run is not run:
                 return
+            stepped = (step_burst(lab, run, epoch, clicked_at, burst_s) if stepped_once and burst_s > 0
+                       else step_run(lab, run, epoch, clicked_at))
+            if stepped is None:
+                return
+            stepped_once = True
             yield note if not run.session.finished else "Comparing with plain greedy decoding…"
     finally:
         lab.pause_after_loop(run)

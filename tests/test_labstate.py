@@ -460,3 +460,31 @@ def test_the_page_time_is_shown_apart_from_decoding(tiny_runtime):
     labstate.step_once(lab, PROMPT, settings)
     assert labstate.facts_of(lab, lab.run).stats.page_ms == pytest.approx(60.0)  # the same time over two steps
     labstate.note_page_time(None, 1.0)  # no run: nothing to note, no error
+
+
+def test_run_to_end_in_bursts_shows_the_first_step_then_steps_back_to_back(tiny_runtime):
+    """With `burst_s` Run to end yields after its first step, then after each burst of steps (run back
+    to back on the tensor thread); the text is plain greedy's all the same, and a Stop during a burst
+    (the epoch bumped) ends it after the step in flight."""
+    settings = labstate.parse_settings(SETTINGS)
+    lab = labstate.LabState()
+    messages = list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True, burst_s=3600.0))
+    steps = len(lab.run.session.records)
+    assert steps > 3 and len(messages) == 3  # the first step, one burst to the end, the check
+    prompt_ids = tiny_runtime.base.chat_ids(PROMPT)
+    assert lab.run.session.output_ids == greedy_reference(tiny_runtime.base, prompt_ids, 20)
+
+    lab = labstate.LabState()
+    labstate.start_fresh(lab, PROMPT, settings)
+    session = lab.run.session
+    real_step = session.step
+
+    def step_then_stop_at_the_third():
+        record = real_step()
+        if len(session.records) == 3:
+            lab.stop()  # what the Stop button does first, from another request
+        return record
+
+    session.step = step_then_stop_at_the_third
+    list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True, burst_s=3600.0))
+    assert len(session.records) == 3 and not session.finished and lab.run.mode == labstate.STOPPED
