@@ -10,6 +10,7 @@ figures go in docs/RESULTS.md.
 
     python -m offline.live_vs_bench --question 81 --strategy dynamic --budget 15 --precision bf16
     python -m offline.live_vs_bench --strategy dynamic:auto+lookup --label "prompt lookup" --budget 63 --precision gguf-q8
+    python -m offline.live_vs_bench --strategy dynamic:auto+lookup --budget 63 --precision gguf-q8 --client api --pairs 6
 """
 from __future__ import annotations
 
@@ -108,14 +109,42 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
 
 def _served_api(prompt: str, args: argparse.Namespace) -> dict:
     """The same run served to `gradio_client` (no browser on the cores): its trace's step times."""
+    with served_app(env=SERVED_ENV) as (url, _):
+        return _api_run(_api_client(url), prompt, args)
+
+
+def _api_client(url: str):
     import gradio_client
 
-    with served_app(env=SERVED_ENV) as (url, _):
-        client = gradio_client.Client(url, verbose=False, download_files=False)
-        list(client.submit(prompt, strategy=args.strategy, budget=args.budget, precision=args.precision,
-                           max_new_tokens=args.tokens, api_name="/run"))
-        steps = _trace_stats(_downloaded_steps(client.predict(api_name="/trace")["url"]))
+    return gradio_client.Client(url, verbose=False, download_files=False)
+
+
+def _api_run(client, prompt: str, args: argparse.Namespace) -> dict:
+    """One run through `client` from a fresh start (Reset first): its trace's step times."""
+    client.predict(api_name="/reset")
+    list(client.submit(prompt, strategy=args.strategy, budget=args.budget, precision=args.precision,
+                       max_new_tokens=args.tokens, api_name="/run"))
+    steps = _trace_stats(_downloaded_steps(client.predict(api_name="/trace")["url"]))
     return {"steps": None, "ms_per_step": steps["mean_ms"], "vs_plain": None, "trace": steps}
+
+
+def _alternations(row: dict, spec: str, args: argparse.Namespace) -> dict:
+    """`args.pairs` alternations of one benchmark run and one served run (`gradio_client`, one server up
+    throughout): each pair's ratios and the medians. The VM's speed drifts between minutes, so a pair is
+    measured within a minute and the pairs are summarised by their medians."""
+    pairs = []
+    with served_app(env=SERVED_ENV) as (url, _):
+        client = _api_client(url)
+        for _ in range(args.pairs):
+            bench = _bench(row, spec, args.precision, args.tokens)
+            live = _api_run(client, row["turns"][0], args)["trace"]
+            pairs.append({"bench_ms_per_step": round(bench["ms_per_step"], 3), "live_ms_per_step": live["mean_ms"],
+                          "step_ratio": round(live["mean_ms"] / bench["ms_per_step"], 3),
+                          "token_ratio": round(live["ms_per_token"] / bench["ms_per_token"], 3),
+                          "bench_mix": bench["mix"], "live_mix": live["mix"]})
+    return {"spec": spec, "precision": args.precision, "client": "api", "pairs": pairs,
+            "median_step_ratio": statistics.median(p["step_ratio"] for p in pairs),
+            "median_token_ratio": statistics.median(p["token_ratio"] for p in pairs)}
 
 
 def _downloaded_steps(url: str) -> list[dict]:
@@ -158,11 +187,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--client", choices=("browser", "api"), default="browser",
                         help="drive the page in Chromium (default) or call the same server through gradio_client")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="with --client api: this many alternations of a benchmark run and a served run, "
+                             "one server up throughout (else one served run between two benchmarks)")
     args = parser.parse_args(argv)
+    if args.pairs and args.client != "api":
+        parser.error("--pairs needs --client api")
     rows = [json.loads(line) for line in (REPO / "assets/data/mt_bench.jsonl").read_text().splitlines() if line.strip()]
     row = next(r for r in rows if str(r["question_id"]) == args.question)
     # a sized strategy at the page's budget; `auto` takes it as its ceiling (the grammar's default, 63)
     spec = args.strategy if "auto" in args.strategy else f"{args.strategy}:{args.budget}"
+    if args.pairs:
+        print(json.dumps(_alternations(row, spec, args), indent=1))
+        return
     before = _bench(row, spec, args.precision, args.tokens)
     live = (_served_api if args.client == "api" else _live)(row["turns"][0], args)
     after = _bench(row, spec, args.precision, args.tokens)
