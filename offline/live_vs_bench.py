@@ -113,7 +113,8 @@ def _served_api(prompt: str, args: argparse.Namespace) -> dict:
         return _api_run(_api_client(url), prompt, args)
 
 
-def _api_client(url: str):
+def _api_client(url: str) -> "gradio_client.Client":
+    """A `gradio_client` on the served page (imported here: the browser mode needs none)."""
     import gradio_client
 
     return gradio_client.Client(url, verbose=False, download_files=False)
