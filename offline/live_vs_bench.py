@@ -73,30 +73,38 @@ def _live(prompt: str, args: argparse.Namespace) -> dict:
     with served_app(env=SERVED_ENV) as (url, _):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(url)
-            page.locator("#step-btn").wait_for()
-            page.get_by_label("Prompt", exact=True).fill(prompt)
-            page.locator("#strategy label", has_text=args.label).first.click()
-            for elem_id, value in (("budget", args.budget), ("max-new", args.tokens)):
-                box = page.locator(f"#{elem_id} input[type=number]")
-                box.fill(str(value))
-                box.press("Tab")
-            page.locator("#precision label", has_text=args.precision).first.click()
-            page.locator("#run-btn").click()
-            page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
-                                   timeout=900_000, polling=POLL_MS)
-            # a fixed-size run's verdict waits for the plain run of its prompt, timed after the run
-            page.wait_for_function("() => !document.querySelector('#stats .card.speed .sub')?.textContent"
-                                   ".includes('measuring')", timeout=300_000,
-                                   polling=POLL_MS)
-            cards = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#stats .card')]"
-                                  ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
-            card = page.locator("#stats").inner_text()
-            verdict = page.locator("#stats .card.speed .sub").first.inner_text()
-            status = page.locator("#status").inner_text()
-            steps = _traced_steps(page, url)
+            result = _page_run(browser, url, prompt, args)
             browser.close()
+    return result
+
+
+def _page_run(browser, url: str, prompt: str, args: argparse.Namespace) -> dict:
+    """One Run to end in a fresh page (a new session) of `browser` on the served `url`: the card's
+    figures and the run's own trace."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(url)
+    page.locator("#step-btn").wait_for()
+    page.get_by_label("Prompt", exact=True).fill(prompt)
+    page.locator("#strategy label", has_text=args.label).first.click()
+    for elem_id, value in (("budget", args.budget), ("max-new", args.tokens)):
+        box = page.locator(f"#{elem_id} input[type=number]")
+        box.fill(str(value))
+        box.press("Tab")
+    page.locator("#precision label", has_text=args.precision).first.click()
+    page.locator("#run-btn").click()
+    page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
+                           timeout=900_000, polling=POLL_MS)
+    # a fixed-size run's verdict waits for the plain run of its prompt, timed after the run
+    page.wait_for_function("() => !document.querySelector('#stats .card.speed .sub')?.textContent"
+                           ".includes('measuring')", timeout=300_000,
+                           polling=POLL_MS)
+    cards = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#stats .card')]"
+                          ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
+    card = page.locator("#stats").inner_text()
+    verdict = page.locator("#stats .card.speed .sub").first.inner_text()
+    status = page.locator("#status").inner_text()
+    steps = _traced_steps(page, url)
+    page.close()
     values = {"tokens": float(cards["tokens"]), "steps": float(cards["steps"]),
               "tokens_per_s": float(cards["tokens / s"])}
     page_ms = next((line for line in card.splitlines() if "page:" in line), "")
@@ -130,20 +138,22 @@ def _api_run(client, prompt: str, args: argparse.Namespace) -> dict:
 
 
 def _alternations(row: dict, spec: str, args: argparse.Namespace) -> dict:
-    """`args.pairs` alternations of one benchmark run and one served run (`gradio_client`, one server up
-    throughout): each pair's ratios and the medians. The VM's speed drifts between minutes, so a pair is
+    """`args.pairs` alternations of one benchmark run and one served run (`gradio_client`, or a fresh page
+    in one Chromium; one server up throughout): each pair's ratios and the medians. The VM's speed drifts between minutes, so a pair is
     measured within a minute and the pairs are summarised by their medians."""
     pairs = []
-    with served_app(env=SERVED_ENV) as (url, _):
-        client = _api_client(url)
+    with served_app(env=SERVED_ENV) as (url, _), sync_playwright() as pw:
+        client = _api_client(url) if args.client == "api" else None
+        browser = None if client else pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        prompt = row["turns"][0]
         for _ in range(args.pairs):
             bench = _bench(row, spec, args.precision, args.tokens)
-            live = _api_run(client, row["turns"][0], args)["trace"]
+            live = (_api_run(client, prompt, args) if client else _page_run(browser, url, prompt, args))["trace"]
             pairs.append({"bench_ms_per_step": round(bench["ms_per_step"], 3), "live_ms_per_step": live["mean_ms"],
                           "step_ratio": round(live["mean_ms"] / bench["ms_per_step"], 3),
                           "token_ratio": round(live["ms_per_token"] / bench["ms_per_token"], 3),
                           "bench_mix": bench["mix"], "live_mix": live["mix"]})
-    return {"spec": spec, "precision": args.precision, "client": "api", "pairs": pairs,
+    return {"spec": spec, "precision": args.precision, "client": args.client, "pairs": pairs,
             "median_step_ratio": statistics.median(p["step_ratio"] for p in pairs),
             "median_token_ratio": statistics.median(p["token_ratio"] for p in pairs)}
 
@@ -189,11 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--client", choices=("browser", "api"), default="browser",
                         help="drive the page in Chromium (default) or call the same server through gradio_client")
     parser.add_argument("--pairs", type=int, default=0,
-                        help="with --client api: this many alternations of a benchmark run and a served run, "
-                             "one server up throughout (else one served run between two benchmarks)")
+                        help="this many alternations of a benchmark run and a served run, one server up "
+                             "throughout (else one served run between two benchmarks)")
     args = parser.parse_args(argv)
-    if args.pairs and args.client != "api":
-        parser.error("--pairs needs --client api")
     rows = [json.loads(line) for line in (REPO / "assets/data/mt_bench.jsonl").read_text().splitlines() if line.strip()]
     row = next(r for r in rows if str(r["question_id"]) == args.question)
     # a sized strategy at the page's budget; `auto` takes it as its ceiling (the grammar's default, 63)
