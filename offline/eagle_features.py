@@ -7,7 +7,8 @@ residual stream entering the decoder layers `eagle_taps` names (low, middle) and
 state (high: what the lm_head reads), each bf16, with the teacher's top-32 there. Answers whose
 generation kept them (`offline.datagen` captures the taps while writing since round 29) are read
 from `<data>.features/`; the others take one teacher-forced forward per batch of answers. Written
-in shards under `data/eagle/` so a stopped run resumes where it stopped. Answers are never committed (only their token ids are: docs/DATA.md).
+in shards under `data/eagle/` so a stopped run resumes where it stopped. Answers are never committed
+(only their token ids are: docs/DATA.md).
 """
 from __future__ import annotations
 
@@ -98,9 +99,11 @@ def from_captured(row: dict, captured: AnswerFeatures) -> FusedFeatures:
 def shard_features(base: BaseModel | None, rows: list[dict], captured: dict[str, AnswerFeatures]) -> FusedFeatures:
     """The features of `rows`: read from what generation captured where it kept the taps, else
     from one teacher-forced forward per batch (similar lengths batched together: less padding)."""
-    kept = [r for r in rows if r["id"] in captured and captured[r["id"]].tapped is not None]
-    rest = sorted((r for r in rows if not (r["id"] in captured and captured[r["id"]].tapped is not None)),
-                  key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
+    kept, rest = [], []
+    for row in rows:
+        found = captured.get(row["id"])
+        (kept if found is not None and found.tapped is not None else rest).append(row)
+    rest.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
     parts = [from_captured(r, captured[r["id"]]) for r in kept]
     if rest:
         if base is None:

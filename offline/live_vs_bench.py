@@ -25,6 +25,7 @@ import tempfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from playwright.sync_api import sync_playwright
 
@@ -70,12 +71,16 @@ def _steps_seconds(row: dict) -> float:
 
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
-    with served_app(env=SERVED_ENV) as (url, _):
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-            result = _page_run(browser, url, prompt, args)
-            browser.close()
+    with served_app(env=SERVED_ENV) as (url, _), sync_playwright() as pw:
+        browser = _chromium(pw)
+        result = _page_run(browser, url, prompt, args)
+        browser.close()
     return result
+
+
+def _chromium(pw):
+    """Debian's Chromium, headless (the browser the tests drive)."""
+    return pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
 
 
 def _page_run(browser, url: str, prompt: str, args: argparse.Namespace) -> dict:
@@ -138,21 +143,30 @@ def _api_run(client, prompt: str, args: argparse.Namespace) -> dict:
 
 
 def _alternations(row: dict, spec: str, args: argparse.Namespace) -> dict:
-    """`args.pairs` alternations of one benchmark run and one served run (`gradio_client`, or a fresh page
-    in one Chromium; one server up throughout): each pair's ratios and the medians. The VM's speed drifts between minutes, so a pair is
-    measured within a minute and the pairs are summarised by their medians."""
+    """`args.pairs` alternations of one benchmark run and one served run (`gradio_client`, or a fresh
+    page in one Chromium; one server up throughout): each pair's ratios and the medians. The VM's speed
+    drifts between minutes, so a pair is measured within a minute and the pairs are summarised by their
+    medians."""
+    prompt = row["turns"][0]
+    with served_app(env=SERVED_ENV) as (url, _):
+        if args.client == "api":
+            client = _api_client(url)
+            return _pairs(row, spec, args, lambda: _api_run(client, prompt, args))
+        with sync_playwright() as pw:
+            browser = _chromium(pw)
+            return _pairs(row, spec, args, lambda: _page_run(browser, url, prompt, args))
+
+
+def _pairs(row: dict, spec: str, args: argparse.Namespace, served_run: Callable[[], dict]) -> dict:
+    """`args.pairs` times a benchmark run then `served_run()`, and the summary `_alternations` returns."""
     pairs = []
-    with served_app(env=SERVED_ENV) as (url, _), sync_playwright() as pw:
-        client = _api_client(url) if args.client == "api" else None
-        browser = None if client else pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        prompt = row["turns"][0]
-        for _ in range(args.pairs):
-            bench = _bench(row, spec, args.precision, args.tokens)
-            live = (_api_run(client, prompt, args) if client else _page_run(browser, url, prompt, args))["trace"]
-            pairs.append({"bench_ms_per_step": round(bench["ms_per_step"], 3), "live_ms_per_step": live["mean_ms"],
-                          "step_ratio": round(live["mean_ms"] / bench["ms_per_step"], 3),
-                          "token_ratio": round(live["ms_per_token"] / bench["ms_per_token"], 3),
-                          "bench_mix": bench["mix"], "live_mix": live["mix"]})
+    for _ in range(args.pairs):
+        bench = _bench(row, spec, args.precision, args.tokens)
+        live = served_run()["trace"]
+        pairs.append({"bench_ms_per_step": round(bench["ms_per_step"], 3), "live_ms_per_step": live["mean_ms"],
+                      "step_ratio": round(live["mean_ms"] / bench["ms_per_step"], 3),
+                      "token_ratio": round(live["ms_per_token"] / bench["ms_per_token"], 3),
+                      "bench_mix": bench["mix"], "live_mix": live["mix"]})
     return {"spec": spec, "precision": args.precision, "client": args.client, "pairs": pairs,
             "median_step_ratio": statistics.median(p["step_ratio"] for p in pairs),
             "median_token_ratio": statistics.median(p["token_ratio"] for p in pairs)}
