@@ -399,7 +399,7 @@ def load_captured(out: Path, tapped: bool = False) -> tuple[list[dict], dict[str
     found: dict[str, AnswerFeatures] = {}
     folder = features_dir(out)
     for path in sorted(folder.glob("*.pt")) if folder.exists() else []:
-        shard = torch.load(path, weights_only=True)
+        shard = torch.load(path, weights_only=True, mmap=True)  # mapped: only the rows kept are read
         ends = torch.tensor(shard["lengths"]).cumsum(0).tolist()
         for row_id, end, length in zip(shard["ids"], ends, shard["lengths"]):
             if row_id in wanted:  # later shards overwrite orphans
