@@ -279,3 +279,29 @@ def test_training_time_test_loss_learns():
         losses.append(loss.item())
     assert len(accuracy) == 3
     assert losses[-1] < 0.9 * losses[0]
+
+
+@pytest.mark.parametrize("budget", [2, 3, 5])
+def test_growth_stops_where_no_deeper_node_can_enter_the_cut(budget):
+    """A small budget stops the growth early (fewer draft calls than depths) and keeps exactly the
+    tree EAGLE-2's full expansion and rerank keep."""
+    layer = _double_layer(3)
+    torch.manual_seed(4)
+    embed = torch.nn.Embedding.from_pretrained(torch.randn(50, 32, dtype=torch.double))
+    lm_head = torch.nn.Linear(32, 50, bias=False).double()
+    torch.nn.init.normal_(lm_head.weight, std=2.0)
+    layer.draft_vocab.copy_(torch.arange(50))
+    projection = layer.draft_projection(lm_head)
+    _, cache = layer.extend(None, torch.randn(6, 96, dtype=torch.double), torch.randn(6, 32, dtype=torch.double))
+    root = torch.randn(32, dtype=torch.double)
+    calls = []
+    drafted = layer.draft
+    layer.draft = lambda *args: calls.append(1) or drafted(*args)
+    grown = grow_eagle_tree(layer, embed, projection, cache, root, budget=budget, width=4, beam=4, depth=6)
+    layer.draft = drafted
+    table = grown.token_table.tolist()
+    got = {tuple(table[d][c] for d, c in enumerate(path)) for path in grown.tree.paths}
+    expected = eagle2_reference(lambda tokens, count: _alone(layer, cache, root, embed, projection, tokens, count),
+                                budget=budget, width=4, beam=4, depth=6)
+    assert got == expected.keys()
+    assert len(calls) < 5  # the full growth drafts 5 depths below the root's children

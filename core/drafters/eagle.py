@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from core.drafters.grown import GrownNode, GrownTree, Growth, expand
+from core.drafters.grown import GrownNode, GrownTree, Growth, deeper_could_enter, expand
 from core.drafters.layers import RMSNorm, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
@@ -118,12 +118,12 @@ class EagleLayer(nn.Module):
         """features [..., 3H] (low | mid | high) -> g [..., H]."""
         return self.fuse(features)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [..., heads, n, d] rotated at positions [..., n] (the two-halves convention)."""
+    def _rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., 1, n, d] of positions [..., n] (the two-halves convention), computed once
+        for the queries and the keys."""
         angles = positions[..., None].float() * self.inv_freq  # [..., n, d/2]
-        cos, sin = (torch.cat([f, f], dim=-1)[..., None, :, :].to(x.dtype) for f in (angles.cos(), angles.sin()))
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-second, first], dim=-1) * sin
+        angles = torch.cat([angles, angles], dim=-1)[..., None, :, :]  # [..., 1, n, d]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _qkv(self, states: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +134,8 @@ class EagleLayer(nn.Module):
         q = self.q(h).unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
         k, v = (part.unflatten(-1, (c.kv_heads, c.head_dim)).transpose(-3, -2)
                 for part in self.kv(h).chunk(2, dim=-1))
-        return self._rope(q, positions), self._rope(k, positions), v
+        cos, sin = self._rotation(positions, q.dtype)
+        return _rotated(q, cos, sin), _rotated(k, cos, sin), v
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """x [..., n, H] plus the attention output [..., heads, n, d], then the MLP."""
@@ -163,7 +164,7 @@ class EagleLayer(nn.Module):
             k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [kvh, total, d]
         new, total = x.shape[0], k.shape[1]
         allowed = torch.ones(new, total, dtype=torch.bool, device=x.device).tril(total - new)  # [n, total]
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+        attended = _grouped_attention(q, k, v, allowed)
         return self._finish(x, attended), EagleCache(keys=k, values=v)
 
     def draft(self, cache: EagleCache, parent_states: torch.Tensor, token_embeds: torch.Tensor,
@@ -183,7 +184,7 @@ class EagleLayer(nn.Module):
                              torch.eye(batch, dtype=torch.bool, device=x.device)], dim=1)  # [B, total]
         all_k = torch.cat(keys + [k], dim=1)  # [kvh, total, d]
         all_v = torch.cat(values + [v], dim=1)
-        attended = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible, enable_gqa=True)
+        attended = _grouped_attention(q, all_k, all_v, visible)
         return self._finish(x, attended), k, v
 
     # -- training -------------------------------------------------------------------------------------
@@ -225,6 +226,24 @@ class EagleLayer(nn.Module):
     def save(self, folder: Path) -> None:
         """`layer.safetensors` + `config.json`."""
         save_weights(folder, "layer.safetensors", self.state_dict(), self.config, self.family)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, n, d] rotated by `EagleLayer._rotation`'s cos and sin."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Attention of q [heads, n, d] over k, v [kv_heads, total, d] where visible [n, total] allows;
+    query head h reads key/value head h // (heads / kv_heads). Written out for decoding's few rows:
+    SDPA's general path (a boolean mask, grouped heads) costs several times these few products."""
+    heads, rows, dim = q.shape
+    kv_heads, total = k.shape[0], k.shape[1]
+    grouped = (q * dim ** -0.5).reshape(kv_heads, heads // kv_heads * rows, dim)  # [kvh, g * n, d]
+    scores = (grouped @ k.transpose(-1, -2)).view(kv_heads, heads // kv_heads, rows, total)  # [kvh, g, n, total]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return (weights.view(kv_heads, -1, total) @ v).view(heads, rows, dim)  # [heads, n, d]
 
 
 def _chain_attention(q: torch.Tensor, base_k: torch.Tensor, base_v: torch.Tensor, chain_k: list[torch.Tensor],
@@ -296,7 +315,8 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     """EAGLE-2's expansion: the root's children from `root_state` [H] (the layer's output at the last
     accepted position, which read the root token), then depth by depth the `beam` best nodes by
     joint probability expanded by one batched `draft` call (`width` children of the root, `min(width,
-    beam)` of every other node)."""
+    beam)` of every other node), until `depth` or until no deeper node could enter the `budget` best
+    (`deeper_could_enter`)."""
     dtype = root_state.dtype
     probs, ids = ranked(projection.rows_logits(layer.draft_states(root_state[None]), projection.weight.shape[0]),
                         width, projection)  # [1, width]
@@ -307,6 +327,8 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     index_of: dict[tuple[int, ...], int] = {}  # a node's row among the draft keys
     for level_depth in range(1, depth):
         frontier = sorted(level, key=lambda n: -n.score)[: min(beam, budget)]
+        if not deeper_could_enter(frontier, growth.nodes, budget):
+            break
         states = torch.stack([parent_state[n.path[:-1]] for n in frontier])  # [B, H]
         embeds = embed(torch.tensor([n.tokens[-1] for n in frontier], device=root_state.device)).to(dtype)  # [B, H]
         known = 0 if draft_k is None else draft_k.shape[1]

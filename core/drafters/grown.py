@@ -9,6 +9,7 @@ node. Columns of the token table are renumbered per depth (best first), so the t
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,17 @@ class Growth:
         shown = min(len(row) for row in self.greedy_ids)
         return best_first(self.nodes, budget, torch.stack([r[:shown] for r in self.greedy_probs]),
                           torch.stack([r[:shown] for r in self.greedy_ids]), kind=kind)
+
+
+def deeper_could_enter(frontier: list[GrownNode], grown: list[GrownNode], budget: int) -> bool:
+    """Whether a child of a `frontier` node could be among the `budget` best of `grown` and below.
+    A child scores at most its parent and loses ties to the shallower nodes, so once `budget` grown
+    nodes score at least as much as every frontier node, growing deeper cannot change the cut:
+    the grower stops there (exactly the same tree, fewer draft calls)."""
+    if len(grown) < budget:
+        return True
+    kth = heapq.nlargest(budget, (node.score for node in grown))[-1]
+    return any(node.score > kth for node in frontier)
 
 
 def expand(parents: list[GrownNode], probs: list[list[float]], ids: list[list[int]]) -> list[GrownNode]:

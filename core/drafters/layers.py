@@ -8,6 +8,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., H]."""
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.float() * scale).to(x.dtype) * self.weight
+        """[..., H] -> [..., H]. One op, not six: drafting calls a norm a dozen times a step."""
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 def save_weights(folder: Path, file: str, tensors: dict[str, torch.Tensor], config: object,
