@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from core.decoder import DecodeConfig, decode, strategy_config
+import core.drafters.eagle as eagle_module
 from core.drafters.eagle import EagleConfig, EagleLayer, grow_eagle_tree, load_eagle
 from core.drafters.grown import GrownNode, best_first, grow_parallel
 from core.drafters.medusa import ranked
@@ -139,7 +140,7 @@ def _alone(layer, cache, root_state, embed, projection, tokens: tuple[int, ...],
         keys = k if keys is None else torch.cat([keys, k], dim=1)
         values = v if values is None else torch.cat([values, v], dim=1)
         state = out[0]
-    logits = projection.rows_logits(layer.draft_states(state[None]), projection.weight.shape[0])  # [1, V]
+    logits = projection.logits(layer.draft_states(state[None]), len(tokens) + 1)  # [1, rows at the children's depth]
     probs, ids = ranked(logits, count, projection)
     return list(zip(probs[0].tolist(), ids[0].tolist()))
 
@@ -157,10 +158,13 @@ def eagle2_reference(children, *, budget: int, width: int, beam: int, depth: int
     return dict(sorted(every.items(), key=lambda item: (-item[1], len(item[0])))[:budget])
 
 
-@pytest.mark.parametrize("budget, width, beam, depth", [(30, 6, 4, 4), (24, 5, 3, 5), (40, 8, 8, 3)])
-def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth):
+@pytest.mark.parametrize("budget, width, beam, depth, deep_rows", [(30, 6, 4, 4, 50), (24, 5, 3, 5, 50),
+                                                                    (40, 8, 8, 3, 50), (30, 6, 4, 5, 12)])
+def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth, deep_rows, monkeypatch):
     """The batched growth (one draft call per depth, ancestor masks) keeps exactly the nodes, with
-    their joint probabilities, that EAGLE-2's expansion and rerank over nodes drafted one by one keep."""
+    their joint probabilities, that EAGLE-2's expansion and rerank over nodes drafted one by one keep;
+    below EAGLE_FULL_DEPTHS a node's children come from the `deep_rows` most frequent draft tokens."""
+    monkeypatch.setattr(eagle_module, "EAGLE_DEEP_ROWS", deep_rows)
     layer = _double_layer(3)
     torch.manual_seed(4)
     embed = torch.nn.Embedding.from_pretrained(torch.randn(50, 32, dtype=torch.double))
@@ -177,6 +181,9 @@ def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth
                                 budget=budget, width=width, beam=beam, depth=depth)
     assert got.keys() == expected.keys()
     assert max(len(path) for path in got) == depth  # the deepest depth kept: every ancestor mask mattered
+    frequent = set(layer.draft_vocab[:deep_rows].tolist())
+    deep_tokens = {path[-1] for path in got if len(path) > eagle_module.EAGLE_FULL_DEPTHS}
+    assert deep_tokens <= frequent
     for path, score in expected.items():
         assert got[path] == pytest.approx(score, rel=1e-9), path
 

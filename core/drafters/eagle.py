@@ -19,9 +19,15 @@ drafting for itself is what it learned.
 
 The tree is grown as EAGLE-2 grows it: depth by depth, the `beam` best nodes by joint draft
 probability expanded by one batched layer call, then the `budget` best nodes of everything grown
-(`core.drafters.grown`). The layer's keys and values over the accepted positions are kept per
-session (`EagleCache`, a new one per extension: a fork shares the old); a rejected draft node
-never enters it, so nothing is rolled back.
+(`core.drafters.grown`); growth stops early where no deeper node could enter that cut. Below depth 2 a
+node's children are ranked over the 2,048 most frequent draft tokens only: a quarter of the deep
+projections' cost (a 16- or 64-node propose 8.9-11.3 -> 7.1-7.8 ms on a 2-core EPYC, gguf-q8) for the
+same tokens per step (30 held-out MT-Bench answers: 1.98 / 2.10 / 2.23 at 16 / 32 / 64 nodes against
+1.97 / 2.10 / 2.23 with all 8,192 rows; 1,024 rows lost .02 at 32 nodes).
+
+The layer's keys and values over the accepted positions are kept per session (`EagleCache`, a new
+one per extension: a fork shares the old); a rejected draft node never enters it, so nothing is
+rolled back.
 
 On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle") and
 `layer.safetensors` (the module's state dict, `draft_vocab` among it).
@@ -50,6 +56,8 @@ if TYPE_CHECKING:
 DEFAULT_EAGLE_DIR = REPO_ROOT / "assets" / "eagle"
 EAGLE_BEAM = 8  # nodes expanded per depth
 EAGLE_DEPTH = 6  # the deepest draft
+EAGLE_FULL_DEPTHS = 2  # depths whose guesses rank the whole draft vocabulary ...
+EAGLE_DEEP_ROWS = 2048  # ... deeper ones its most frequent rows only (module docstring)
 
 
 def eagle_taps(num_layers: int) -> tuple[int, int]:
@@ -220,8 +228,11 @@ class EagleLayer(nn.Module):
 
     # -- files ------------------------------------------------------------------------------------------
     def draft_projection(self, lm_head: nn.Module) -> DraftProjection:
-        """The lm_head rows the layer ranks."""
-        return draft_rows(lm_head, self.draft_vocab, ())
+        """The lm_head rows the layer ranks at each depth: all of its draft vocabulary for the first
+        EAGLE_FULL_DEPTHS, its EAGLE_DEEP_ROWS most frequent tokens below."""
+        rows = len(self.draft_vocab)
+        deep = min(rows, EAGLE_DEEP_ROWS)
+        return draft_rows(lm_head, self.draft_vocab, (rows,) * EAGLE_FULL_DEPTHS + (deep,) * (EAGLE_DEPTH - EAGLE_FULL_DEPTHS))
 
     def save(self, folder: Path) -> None:
         """`layer.safetensors` + `config.json`."""
@@ -318,8 +329,7 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     beam)` of every other node), until `depth` or until no deeper node could enter the `budget` best
     (`deeper_could_enter`)."""
     dtype = root_state.dtype
-    probs, ids = ranked(projection.rows_logits(layer.draft_states(root_state[None]), projection.weight.shape[0]),
-                        width, projection)  # [1, width]
+    probs, ids = ranked(projection.logits(layer.draft_states(root_state[None]), 1), width, projection)  # [1, width]
     level = [GrownNode(path=(c,), tokens=(t,), score=p) for c, (p, t) in enumerate(zip(probs[0].tolist(), ids[0].tolist()))]
     growth = Growth(nodes=list(level), greedy_probs=[probs[0]], greedy_ids=[ids[0]])
     parent_state = {(): root_state}
@@ -343,8 +353,8 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
             parent_state[node.path] = out[row]
         draft_k = k if draft_k is None else torch.cat([draft_k, k], dim=1)
         draft_v = v if draft_v is None else torch.cat([draft_v, v], dim=1)
-        probs, ids = ranked(projection.rows_logits(layer.draft_states(out), projection.weight.shape[0]),
-                            min(width, beam), projection)  # [B, children]
+        probs, ids = ranked(projection.logits(layer.draft_states(out), level_depth + 1), min(width, beam),
+                            projection)  # [B, children]
         level = expand(frontier, probs.tolist(), ids.tolist())
         growth.nodes += level
         top = max(range(len(frontier)), key=lambda r: frontier[r].score)
