@@ -21,9 +21,9 @@ The tree is grown as EAGLE-2 grows it: depth by depth, the `beam` best nodes by 
 probability expanded by one batched layer call, then the `budget` best nodes of everything grown
 (`core.drafters.grown`); growth stops early where no deeper node could enter that cut. Below depth 2 a
 node's children are ranked over the 2,048 most frequent draft tokens only: a quarter of the deep
-projections' cost (a 16- or 64-node propose 8.9-11.3 -> 7.1-7.8 ms on a 2-core EPYC, gguf-q8) for the
-same tokens per step (30 held-out MT-Bench answers: 1.98 / 2.10 / 2.23 at 16 / 32 / 64 nodes against
-1.97 / 2.10 / 2.23 with all 8,192 rows; 1,024 rows lost .02 at 32 nodes).
+projections' cost (a 16- or 64-node propose about a fifth cheaper on a 2-core EPYC, docs/RESULTS.md
+round 30) for the same tokens per step (30 held-out MT-Bench answers: 1.98 / 2.10 / 2.23 at 16 / 32 /
+64 nodes against 1.97 / 2.10 / 2.23 with all 8,192 rows; 1,024 rows lost .02 at 32 nodes).
 
 The layer's keys and values over the accepted positions are kept per session (`EagleCache`, a new
 one per extension: a fork shares the old); a rejected draft node never enters it, so nothing is
@@ -232,7 +232,8 @@ class EagleLayer(nn.Module):
         EAGLE_FULL_DEPTHS, its EAGLE_DEEP_ROWS most frequent tokens below."""
         rows = len(self.draft_vocab)
         deep = min(rows, EAGLE_DEEP_ROWS)
-        return draft_rows(lm_head, self.draft_vocab, (rows,) * EAGLE_FULL_DEPTHS + (deep,) * (EAGLE_DEPTH - EAGLE_FULL_DEPTHS))
+        per_depth = (rows,) * EAGLE_FULL_DEPTHS + (deep,) * (EAGLE_DEPTH - EAGLE_FULL_DEPTHS)
+        return draft_rows(lm_head, self.draft_vocab, per_depth)
 
     def save(self, folder: Path) -> None:
         """`layer.safetensors` + `config.json`."""
