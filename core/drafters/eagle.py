@@ -330,7 +330,8 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     beam)` of every other node), until `depth` or until no deeper node could enter the `budget` best
     (`deeper_could_enter`)."""
     dtype = root_state.dtype
-    probs, ids = ranked(projection.logits(layer.draft_states(root_state[None]), 1), width, projection)  # [1, width]
+    root_logits = projection.logits(layer.draft_states(root_state[None]), 1)  # [1, rows at depth 1]
+    probs, ids = ranked(root_logits, width, projection)  # [1, width]
     level = [GrownNode(path=(c,), tokens=(t,), score=p) for c, (p, t) in enumerate(zip(probs[0].tolist(), ids[0].tolist()))]
     growth = Growth(nodes=list(level), greedy_probs=[probs[0]], greedy_ids=[ids[0]])
     parent_state = {(): root_state}
