@@ -158,13 +158,9 @@ def eagle2_reference(children, *, budget: int, width: int, beam: int, depth: int
     return dict(sorted(every.items(), key=lambda item: (-item[1], len(item[0])))[:budget])
 
 
-@pytest.mark.parametrize("budget, width, beam, depth, deep_rows", [(30, 6, 4, 4, 50), (24, 5, 3, 5, 50),
-                                                                    (40, 8, 8, 3, 50), (30, 6, 4, 5, 12)])
-def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth, deep_rows, monkeypatch):
-    """The batched growth (one draft call per depth, ancestor masks) keeps exactly the nodes, with
-    their joint probabilities, that EAGLE-2's expansion and rerank over nodes drafted one by one keep;
-    below EAGLE_FULL_DEPTHS a node's children come from the `deep_rows` most frequent draft tokens."""
-    monkeypatch.setattr(eagle_module, "EAGLE_DEEP_ROWS", deep_rows)
+def _growth_inputs():
+    """A double-precision draft layer over a 50-token vocabulary (most frequent first), its embedding,
+    projection, a 6-position cache and a root state: what a growth reads."""
     layer = _double_layer(3)
     torch.manual_seed(4)
     embed = torch.nn.Embedding.from_pretrained(torch.randn(50, 32, dtype=torch.double))
@@ -174,6 +170,17 @@ def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth
     projection = layer.draft_projection(lm_head)
     _, cache = layer.extend(None, torch.randn(6, 96, dtype=torch.double), torch.randn(6, 32, dtype=torch.double))
     root = torch.randn(32, dtype=torch.double)
+    return layer, embed, projection, cache, root
+
+
+@pytest.mark.parametrize("budget, width, beam, depth, deep_rows", [(30, 6, 4, 4, 50), (24, 5, 3, 5, 50),
+                                                                    (40, 8, 8, 3, 50), (30, 6, 4, 5, 12)])
+def test_eagle_grown_tree_equals_a_brute_force_eagle2(budget, width, beam, depth, deep_rows, monkeypatch):
+    """The batched growth (one draft call per depth, ancestor masks) keeps exactly the nodes, with
+    their joint probabilities, that EAGLE-2's expansion and rerank over nodes drafted one by one keep;
+    below EAGLE_FULL_DEPTHS a node's children come from the `deep_rows` most frequent draft tokens."""
+    monkeypatch.setattr(eagle_module, "EAGLE_DEEP_ROWS", deep_rows)
+    layer, embed, projection, cache, root = _growth_inputs()
     grown = grow_eagle_tree(layer, embed, projection, cache, root, budget=budget, width=width, beam=beam, depth=depth)
     table = grown.token_table.tolist()
     got = {tuple(table[d][c] for d, c in enumerate(path)): score for path, score in zip(grown.tree.paths, grown.tree.scores)}
@@ -292,15 +299,7 @@ def test_training_time_test_loss_learns():
 def test_growth_stops_where_no_deeper_node_can_enter_the_cut(budget):
     """A small budget stops the growth early (fewer draft calls than depths) and keeps exactly the
     tree EAGLE-2's full expansion and rerank keep."""
-    layer = _double_layer(3)
-    torch.manual_seed(4)
-    embed = torch.nn.Embedding.from_pretrained(torch.randn(50, 32, dtype=torch.double))
-    lm_head = torch.nn.Linear(32, 50, bias=False).double()
-    torch.nn.init.normal_(lm_head.weight, std=2.0)
-    layer.draft_vocab.copy_(torch.arange(50))
-    projection = layer.draft_projection(lm_head)
-    _, cache = layer.extend(None, torch.randn(6, 96, dtype=torch.double), torch.randn(6, 32, dtype=torch.double))
-    root = torch.randn(32, dtype=torch.double)
+    layer, embed, projection, cache, root = _growth_inputs()
     calls = []
     drafted = layer.draft
     layer.draft = lambda *args: calls.append(1) or drafted(*args)
