@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 import labstate
 from labstate import replay
-from page import header, live_controls, replay_controls, settings_event, view_panel
+from page import FirstInHead, header, live_controls, replay_controls, settings_event, view_panel
 from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, StepControl, View, build_progress, build_view, empty_view
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -512,7 +513,8 @@ def launch_kwargs() -> dict[str, Any]:
     """Styling and safety options that Gradio 6 takes at launch time (never a public share link)."""
     return {"css_paths": [ASSETS / "app.css"], "js": PAGE_JS, "theme": gr.themes.Default(), "share": False,
             "max_file_size": "8mb",  # a trace upload; Gradio's own session store is bounded like ours
-            "state_session_capacity": max(64, 4 * MAX_SESSIONS)}
+            "state_session_capacity": max(64, 4 * MAX_SESSIONS),
+            "app_kwargs": {"middleware": [Middleware(FirstInHead)]}}  # Gradio's idle 60-frame loop, slowed
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 RIVALS = [("none", ""), ("the usual rival (Medusa ↔ Hydra, EAGLE → Hydra)", "auto"),
           ("Medusa heads (dynamic tree)", "dynamic"), ("Hydra heads", "hydra"), ("EAGLE draft layer", "eagle")]
 CUSTOM_TREE_EXAMPLE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
+FIRST_SCRIPT = (ASSETS / "timer_frames.js").read_text(encoding="utf-8")
 INTRO = ('<div class="lab-header"><h1>Medusa Tree Lab</h1><p>Speculative decoding one step at a time: heads '
          'propose a <b>dynamic candidate tree</b>, one forward pass verifies it, the base model accepts a path.'
          '</p></div>')
@@ -259,3 +260,44 @@ def settings_event(defaults: dict[str, Any], *extra: str) -> Callable[[Callable]
         chosen.__annotations__ = {"request": gr.Request}  # where Gradio injects the request
         return chosen
     return wrap
+
+
+class FirstInHead:
+    """ASGI middleware: `script` as the first element of the page's <head> (Gradio's own `head=` lands after
+    its modules have run, too late to wrap what they capture at load). Only the page's HTML is touched;
+    the API, files and the queue's event stream pass through unbuffered."""
+
+    def __init__(self, app: Callable, script: str = FIRST_SCRIPT) -> None:
+        self.app = app
+        self.tag = f"<script>{script}</script>".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET" or not scope["path"].endswith("/"):
+            await self.app(scope, receive, send)
+            return
+        start: dict | None = None
+        body = bytearray()
+
+        async def send_html_with_script(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                if not headers.get(b"content-type", b"").startswith(b"text/html") or b"content-encoding" in headers:
+                    start = None
+                    await send(message)
+                    return
+                start = message  # held until the body is whole: its length changes
+                return
+            if start is None:
+                await send(message)
+                return
+            body.extend(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            html = bytes(body).replace(b"<head>", b"<head>" + self.tag, 1)
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            headers.append((b"content-length", str(len(html)).encode()))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": html})
+
+        await self.app(scope, receive, send_html_with_script)

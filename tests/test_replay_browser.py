@@ -151,3 +151,37 @@ def test_nothing_is_clipped_at_lecture_widths(replay_server, width, height):
                                timeout=30_000)
         assert page.evaluate(CLIPPED_JS, ["#mask-plot", "#mask-plot .js-plotly-plot"]) == []
         browser.close()
+
+
+COUNT_FRAMES_JS = """(() => {
+  const native = window.requestAnimationFrame.bind(window);
+  window.__frames_asked = 0;
+  window.requestAnimationFrame = (callback) => { window.__frames_asked++; return native(callback); };
+})();"""
+
+
+def test_an_idle_page_asks_for_few_animation_frames(replay_server):
+    """Gradio 6.31's status tracker asks for a frame 60 times a second for as long as a page is open, even
+    when nothing runs (6 % of a core taken from a decoding on the same cores). The page's first script
+    (`page.FirstInHead`, assets/timer_frames.js) asks for the tracker's frames 4 times a second: an idle
+    page asks for at most 15 frames a second in all (60 without it). The count is taken below the
+    page's script, where the browser receives the requests."""
+    url, _ = replay_server
+    with playwright_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.add_init_script(COUNT_FRAMES_JS)  # runs before the page's own scripts
+        page.goto(url)
+        page.wait_for_function(STATUS_JS, arg="Opened on step", timeout=60_000)
+        assert page.evaluate("document.head.firstElementChild.textContent").lstrip().startswith("// Runs first")
+        rates = []
+        for _ in range(10):  # the opening step's tweens ask for frames for a few seconds, then settle
+            before = page.evaluate("window.__frames_asked")
+            page.wait_for_timeout(2000)
+            rates.append((page.evaluate("window.__frames_asked") - before) / 2)
+            if rates[-1] <= 15:
+                break
+        print("animation frames asked for a second on an idle page, 2-s windows:", rates)
+        per_second = rates[-1]
+        assert per_second <= 15
+        browser.close()
