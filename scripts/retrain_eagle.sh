@@ -10,8 +10,9 @@
 #   3. EAGLE features of the committed answers (one teacher-forced forward per batch);
 #   4. one epoch over all of it (EPOCHS, TTT_STEPS training-time-test steps) from the shipped layer into
 #      EAGLE_OUT, with its held-out report.
-# Ship a candidate (copy it over assets/eagle) only if it beats assets/eagle/report.json held out; phase 4
-# continues whatever assets/eagle holds then.
+# Ship a candidate (copy it over assets/eagle) only if it beats assets/eagle/report.json held out: the last
+# line runs that comparison (`offline.eagle_verdict`: every figure side by side, and the rule's verdict);
+# phase 4 continues whatever assets/eagle holds then.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -33,3 +34,4 @@ $PY -m offline.eagle_features --data data/distill_chat.jsonl
 COMMITTED=assets/distill/distill.jsonl.gz,assets/distill/distill_clean.jsonl.gz
 $PY -m offline.eagle_features --data "$COMMITTED"
 $PY -m offline.train_eagle --data "$COMMITTED,data/distill_chat.jsonl" --out "$EAGLE_OUT" "${TRAIN[@]}"
+$PY -m offline.eagle_verdict "$EAGLE_OUT/report.json" || echo "$EAGLE_OUT does not ship: keep assets/eagle"

@@ -311,3 +311,28 @@ def test_growth_stops_where_no_deeper_node_can_enter_the_cut(budget):
                                 budget=budget, width=4, beam=4, depth=6)
     assert got == expected.keys()
     assert len(calls) < 5  # the full growth drafts 5 depths below the root's children
+
+
+def _report(own: list[float], steps: dict[str, float]) -> dict:
+    """A held-out report as offline.train_eagle writes it, the same figures on both sets."""
+    held = {"given_path": {"top1": [o + 0.1 for o in own]}, "own_guesses": {"top1": own}, "tokens_per_step": steps}
+    return {"held_out": {"mt_bench": held, "second_set": held}}
+
+
+def test_a_candidate_ships_only_if_its_held_out_figures_beat_the_shipped_ones():
+    """The shipping rule (offline.eagle_verdict): tokens per step at every size and the mean top-1 on its own
+    guesses, each at least the shipped layer's, on every held-out set; the given-path figures are shown only."""
+    from offline.eagle_verdict import compare
+    shipped = _report([0.38, 0.21, 0.13], {"eagle:16": 2.02, "eagle:64": 2.31})
+    better = _report([0.40, 0.22, 0.14], {"eagle:16": 2.05, "eagle:64": 2.35})
+    assert compare(better, shipped).ships
+    assert not compare(shipped, better).ships
+    assert compare(shipped, shipped).ships  # a tie keeps the rule's "at least"
+    one_size_worse = _report([0.40, 0.22, 0.14], {"eagle:16": 2.05, "eagle:64": 2.30})
+    assert not compare(one_size_worse, shipped).ships
+    own_worse = _report([0.38, 0.20, 0.12], {"eagle:16": 2.05, "eagle:64": 2.35})
+    assert not compare(own_worse, shipped).ships
+    verdict = compare(better, shipped)
+    assert {f.held_out for f in verdict.figures} == {"mt_bench", "second_set"}
+    assert sum(f.decides for f in verdict.figures) == 2 * 3  # the own-guesses mean and two sizes, per set
+    assert "tokens per step, eagle:64 (decides) | 2.350 | 2.310 | +0.040" in verdict.table()
