@@ -283,7 +283,6 @@ class FirstInHead:
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers", []))
                 if not headers.get(b"content-type", b"").startswith(b"text/html") or b"content-encoding" in headers:
-                    start = None
                     await send(message)
                     return
                 start = message  # held until the body is whole: its length changes

@@ -1,4 +1,4 @@
-// Runs first in the page's <head>, before Gradio's modules (labstate.page_script's FirstInHead puts it there).
+// Runs first in the page's <head>, before Gradio's modules (page.FirstInHead, an ASGI middleware, puts it there).
 // Gradio 6.31's status tracker keeps a requestAnimationFrame loop for its elapsed-time counter running
 // at 60 frames a second for as long as the page is open, even on an empty Blocks with no event ever run
 // (its loop never sees the flag that ends it). Each frame is a script call, a commit and a paint: about

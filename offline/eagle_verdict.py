@@ -68,8 +68,9 @@ def compare(candidate: dict, shipped: dict) -> Verdict:
             new, old = _top1(candidate, held_out, kind), _top1(shipped, held_out, kind)
             figures += [Figure(held_out, f"{label} top-1, depth {d + 1}", a, b, decides=False)
                         for d, (a, b) in enumerate(zip(new, old))]
-        depths = min(len(_top1(candidate, held_out, "own_guesses")), len(_top1(shipped, held_out, "own_guesses")))
-        own_mean = [sum(_top1(r, held_out, "own_guesses")[:depths]) / depths for r in (candidate, shipped)]
+        own = [_top1(r, held_out, "own_guesses") for r in (candidate, shipped)]
+        depths = min(map(len, own))
+        own_mean = [sum(o[:depths]) / depths for o in own]
         figures.append(Figure(held_out, f"own guesses top-1, mean of depths 1-{depths}", *own_mean, decides=True))
         new_steps, old_steps = (r["held_out"][held_out]["tokens_per_step"] for r in (candidate, shipped))
         figures += [Figure(held_out, f"tokens per step, {size}", new_steps[size], old_steps[size], decides=True)
