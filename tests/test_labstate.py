@@ -2,6 +2,7 @@
 whole lifecycle on a tiny model standing in for the shipped one."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import threading
@@ -9,6 +10,7 @@ import tracemalloc
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import labstate
 from core.budget.cost_profile import CostProfile
@@ -182,6 +184,53 @@ def test_a_first_start_draws_a_tree_while_the_profile_is_still_being_measured(mo
     shared._MEASURING["fp32"].join(10)
     assert shared.cost_profile(rt, wait=False) is measured
 
+
+
+class OperatorsOnThisThread(TorchDispatchMode):
+    """Counts the tensor operators run on the thread that entered it (dispatch modes are per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_page_runs_every_tensor_operator_on_the_tensor_thread(monkeypatch, tmp_path):
+    """Issue 46: an operator run on another thread than the tensor thread gives the process a second
+    OpenMP team, and every operator after it pays a wake-up (a plain gguf-q8 step 4.7 -> 9.7 ms on a
+    2-core EPYC once the profile had zeroed its caches on the measuring thread). Measuring the profile,
+    reading it back (the warm verifies), Start, Step and Run to end leave no operator on the caller's."""
+    import core.budget.cost_profile as cost_profile
+    import labstate.shared as shared
+    from core.tensor_thread import run_on_tensor_thread
+    def load() -> Runtime:  # as `load_base_model` loads: the forward built at load, on the tensor thread
+        base = tiny_base("llama", max_positions=2048)
+        _ = base.engine
+        return medusa_runtime(base)
+    rt = run_on_tensor_thread(load)
+    monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)
+    monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
+    monkeypatch.setattr(shared, "_PROFILES", {})
+    monkeypatch.setattr(shared, "_MEASURING", {})
+    monkeypatch.setattr(cost_profile, "measured_quietly", lambda *ms: True)
+    measured_in = tmp_path / "profiles"
+    monkeypatch.setattr(shared, "profile_cached", lambda base: cost_profile.profile_cached(base, measured_in))
+    monkeypatch.setattr(shared, "verify_profile",
+                        lambda base, run: cost_profile.verify_profile.__wrapped__(base, measured_in, run))
+    settings = labstate.parse_settings({**SETTINGS, "strategy": "dynamic:auto+lookup"})
+    lab = labstate.LabState()
+    with OperatorsOnThisThread() as operators:
+        shared.warm_up("fp32", tree=True, notify=lambda message: None, wait=True)  # measured, then written
+        shared._PROFILES.clear()
+        shared.warm_up("fp32", tree=True, notify=lambda message: None, wait=True)  # read back, then warmed
+        labstate.start_fresh(lab, PROMPT, settings)
+        labstate.step_once(lab, PROMPT, settings)
+        list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True))
+    assert lab.run.session.finished and list(measured_in.glob("*.json"))
+    assert operators.seen == {}
 
 SETTINGS = {"strategy": "dynamic", "budget": 12, "top_m": 8, "precision": "fp32", "max_new_tokens": 20,
             "compare_fixed": True}
