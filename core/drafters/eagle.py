@@ -411,7 +411,7 @@ class EagleDrafter:
 
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         from core.drafters.interface import drafting_embedding, heads_for_drafting  # it imports the other families
-        drafting, self.projection, self.dtype = heads_for_drafting(layer, base)
+        drafting, self.projection, self.dtype = heads_for_drafting(layer, base, products_on_kernels=True)
         self.layer = drafting_layer(drafting, base)
         self.embed = drafting_embedding(base, self.dtype)
         self.taps = layer.config.taps

@@ -33,13 +33,18 @@ from core.tree import CandidateTree, dynamic_tree
 
 
 
-def drafting_dtype(base: BaseModel) -> torch.dtype:
+def drafting_dtype(base: BaseModel, *, products_on_kernels: bool = False) -> torch.dtype:
     """The precision the heads draft in: bf16 where torch's many-row products measured fast
     (`core.model.fast_bf16_batched`: a draft multiplies several rows, Medusa's heads at once or
     Hydra's beam), even under an fp32 base model, since a draft only proposes and the fp32 verify
     decides every token. On a Xeon with AMX, where the lab's default stays fp32, Hydra's propose
-    measured 14.1-14.9 ms in fp32 and 8.5-9.2 in bf16, Medusa's 8.3 and 2.7-4.1."""
-    if base.dtype == torch.float32 and fast_bf16_batched():
+    measured 14.1-14.9 ms in fp32 and 8.5-9.2 in bf16, Medusa's 8.3 and 2.7-4.1.
+
+    A drafter whose products all run in the exact engine's kernels (`products_on_kernels`: EAGLE's
+    layer there) keeps the base model's dtype: the kernels multiply in fp32 whatever comes in, so bf16
+    activations only add casts (2-core EPYC Zen 4 with AVX512-BF16, gguf-q8: a 16-node EAGLE propose
+    10.2-10.9 ms with bf16 activations, 6.9-7.2 ms in fp32)."""
+    if base.dtype == torch.float32 and fast_bf16_batched() and not (products_on_kernels and base.exact):
         return torch.bfloat16
     return base.dtype
 
@@ -48,10 +53,10 @@ def drafting_dtype(base: BaseModel) -> torch.dtype:
 _CAST: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel
+def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel, *, products_on_kernels: bool = False
                        ) -> tuple[MedusaHeads | HydraHeads, DraftProjection | None, torch.dtype]:
-    """`heads` in the drafting precision with their draft projection (None: own lm_head)."""
-    dtype = drafting_dtype(base)
+    """`heads` in the drafting precision (`drafting_dtype`) with their draft projection (None: own lm_head)."""
+    dtype = drafting_dtype(base, products_on_kernels=products_on_kernels)
     cast = _CAST.setdefault(heads, {})
     if dtype not in cast:
         own = isinstance(heads, MedusaHeads) and heads.config.own_lm_head
