@@ -186,7 +186,7 @@ def test_greedy_with_int8_bf16_drafts_stays_exact(monkeypatch):
     import core.drafters.medusa as medusa
     from core.decoder import DecodeConfig, decode
     from tests.tiny import greedy_reference, tiny_base, tiny_heads, tiny_hydra
-    monkeypatch.setattr(interface, "drafting_dtype", lambda base: torch.bfloat16)
+    monkeypatch.setattr(interface, "drafting_dtype", lambda base, **how: torch.bfloat16)
     monkeypatch.setattr(medusa, "INT8_GAIN", float("inf"))
     base = tiny_base("llama", engine="lean")
     prompt = list(b"the cat sat on the mat and the cat sat on the")
