@@ -185,7 +185,6 @@ def test_a_first_start_draws_a_tree_while_the_profile_is_still_being_measured(mo
     assert shared.cost_profile(rt, wait=False) is measured
 
 
-
 class OperatorsOnThisThread(TorchDispatchMode):
     """Counts the tensor operators run on the thread that entered it (dispatch modes are per thread)."""
 
@@ -206,10 +205,12 @@ def test_the_page_runs_every_tensor_operator_on_the_tensor_thread(monkeypatch, t
     import core.budget.cost_profile as cost_profile
     import labstate.shared as shared
     from core.tensor_thread import run_on_tensor_thread
+
     def load() -> Runtime:  # as `load_base_model` loads: the forward built at load, on the tensor thread
         base = tiny_base("llama", max_positions=2048)
         _ = base.engine
         return medusa_runtime(base)
+
     rt = run_on_tensor_thread(load)
     monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)
     monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
@@ -231,6 +232,7 @@ def test_the_page_runs_every_tensor_operator_on_the_tensor_thread(monkeypatch, t
         list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True))
     assert lab.run.session.finished and list(measured_in.glob("*.json"))
     assert operators.seen == {}
+
 
 SETTINGS = {"strategy": "dynamic", "budget": 12, "top_m": 8, "precision": "fp32", "max_new_tokens": 20,
             "compare_fixed": True}
