@@ -19,6 +19,7 @@ from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text
 from viz.timing_plot import ArBaseline, accepted_figure, cumulative_figure, phase_figure
 from viz.trace import to_jsonable, trace_dict, trace_json
 from viz.tree_plot import empty_figure, label_boxes, tree_figure, tree_layout
+from viz.view import build_view
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,6 +263,34 @@ def test_heads_html_marks_accepted_guesses_and_escapes():
     plain = dataclasses.replace(_record(0, _autoregressive_outcome(), strategy="autoregressive"), head_probs=[],
                                 head_token_ids=[], head_texts=[])
     assert "autoregressive" in heads_html(plain)
+
+
+def test_a_plain_step_of_a_drafting_run_says_why_it_had_no_heads():
+    """The last step of a run with one token left is plain: the table says so, not "autoregressive decoding"."""
+    tree_step = _record(0, _fixed_outcome())
+    plain = dataclasses.replace(_record(1, _autoregressive_outcome(), strategy="autoregressive"), head_probs=[],
+                                head_token_ids=[], head_texts=[])
+    emitted = 1 + len(tree_step.new_tokens)
+
+    def heads_of(limit: int, strategy: str = "dynamic") -> str:
+        facts = RunFacts(prompt="p", spec=parse_strategy(strategy), settings={"max_new_tokens": limit, "depth": 3},
+                         records=[tree_step, plain], output_ids=[1] * (emitted + 1), first_text="a", text="ab",
+                         token_bytes={}, stats=RunStats())
+        return build_view(facts, 1).heads
+
+    assert "one token was left" in heads_of(emitted + 1)
+    assert "drafters offered nothing" in heads_of(emitted + 20)
+    assert "autoregressive decoding" not in heads_of(emitted + 1)
+    assert "one token was left" in heads_html(plain, plain_why="one token was left")
+
+
+def test_an_eagle_tree_names_its_columns_by_depth_not_head():
+    outcome = dataclasses.replace(_fixed_outcome(), tree=dataclasses.replace(_fixed_outcome().tree, kind="eagle"))
+    fig = tree_figure(outcome, "EAGLE")
+    assert list(fig.layout.xaxis.ticktext) == ["root", "depth 1", "depth 2", "depth 3", "bonus"]
+    assert "depth 2 · rank 1" in _trace(fig, "candidate (colour = joint p)").hovertext[5]
+    table = heads_html(_record(0, outcome, strategy="eagle"))
+    assert "<th>depth 1<br>" in table and "<th>head 1<br>" not in table
 
 
 def test_stats_html():

@@ -147,18 +147,24 @@ def text_html(tokens: Sequence[EmittedToken], selected_step: int | None = None) 
     return f'<div class="gen-text">{legend}<div class="gen-body">{spans}</div></div>'
 
 
-def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None) -> str:
-    """Each head's top guesses with probabilities; the guesses on the accepted path are marked ✓."""
+def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None, plain_why: str = "") -> str:
+    """Each head's top guesses with probabilities; the guesses on the accepted path are marked ✓.
+
+    `plain_why`: why a plain step of a drafting run verified no tree (else the step is plain decoding's)."""
     if record is None:
         return '<div class="heads-table empty">Each head\'s top guesses appear here after the first step.</div>'
     if not record.head_probs and record.strategy == LOOKUP:
         return ('<div class="heads-table empty">No heads in this step: the auto budget is backing off (the heads '
                 'have not paid lately), so the tree is only the prompt-lookup chain (◆).</div>')
+    if not record.head_probs and plain_why:
+        return f'<div class="heads-table empty">No heads in this step: {escape(plain_why)}.</div>'
     if not record.head_probs:
         return ('<div class="heads-table empty">No heads in this step: autoregressive decoding asks only the '
                 'base model for one token.</div>')
     accepted_ranks = _accepted_ranks(record)
     header = "".join(f"<th>rank {r}</th>" for r in range(len(record.head_probs[0])))
+    kind = FAMILIES.get(record.outcome.tree.kind)
+    row_label = kind.depth_label if kind else "head"
     rows = []
     for depth, (probs, ids) in enumerate(zip(record.head_probs, record.head_token_ids), start=1):
         fallback = record.head_texts[depth - 1] if len(record.head_texts) >= depth else []
@@ -172,7 +178,7 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None)
             cells.append(f'<td{mark} style="--p:{shade:.3f}" title="{shown} {p:.3f}"><code>{tick}{shown}</code>'
                          f"<small>{p:.3f}</small></td>")
         what = "after the best path" if record.outcome.grown else f"guesses t+{depth + 1}"
-        rows.append(f"<tr><th>head {depth}<br><small>{what}</small></th>{''.join(cells)}</tr>")
+        rows.append(f"<tr><th>{row_label} {depth}<br><small>{what}</small></th>{''.join(cells)}</tr>")
     caption = (f'<caption>{escape(FAMILIES[record.outcome.tree.kind].table_caption)}</caption>'
                if record.outcome.grown else "")
     return (f'<div class="heads-table"><table>{caption}<thead><tr><th></th>{header}</tr></thead>'

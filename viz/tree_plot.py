@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import networkx as nx
 import plotly.graph_objects as go
 
+from core.families import FAMILIES
 from viz import style
 from viz.labels import TokenBytes, pieces, plotly_escape, shorten, text_px, token_hover, token_text, visible
 
@@ -183,8 +184,9 @@ CHAIN_SOURCE_TEXT = {"lookup": "◆ prompt lookup: copied from where the last wo
 
 
 def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: float, joint: float,
-           accepted: bool, copied: str = "") -> str:
-    """Hover text of one node; `copied` names the chain drafter of a chain-only node ("" for head nodes)."""
+           accepted: bool, copied: str = "", depth_label: str = "head") -> str:
+    """Hover text of one node; `copied` names the chain drafter of a chain-only node ("" for head nodes),
+    `depth_label` what guessed its depth (the family's: "head", "depth")."""
     if node == 0:
         return (f"<b>root</b> {token_hover(text)} (id {token})<br>the base model's own next token,"
                 f"<br>emitted by the previous step" + ("<br><b>✓ start of the accepted path</b>" if accepted else ""))
@@ -193,7 +195,7 @@ def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: fl
         source = CHAIN_SOURCE_TEXT.get(copied, f"◆ {copied}")
         return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · depth {depth} · {source}"
                 f"<br>estimated p = {joint:.3f} (learned this run)<br>{verdict}")
-    return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · head {depth} · rank {rank}"
+    return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · {depth_label} {depth} · rank {rank}"
             f"<br>marginal p = {marginal:.4f}<br>joint p = {joint:.2e}<br>{verdict}")
 
 
@@ -256,6 +258,8 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     accepted_set = set(accepted)
     copied = outcome.lookup_nodes
     texts, bonus_text = node_texts(outcome, token_bytes)
+    kind = FAMILIES.get(tree.kind)  # a step kind may be no family (a lookup-only step)
+    depth_label = kind.depth_label if kind else "head"
     marginals = _marginals(scores, parents)
     sizes = [_marker_size(p, i in copied) for i, p in enumerate(scores)]
     title_text, title_lines = _title_html(title, _subtitle(outcome, note))
@@ -299,7 +303,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
         textfont={"size": FONT_PX, "color": [style.UNVERIFIED if i in unverified else style.TEXT
                                              for i in range(len(texts))]}, cliponaxis=False,
         hovertext=[_hover(i, texts[i], outcome.node_tokens[i], depths[i], ranks[i], marginals[i], scores[i],
-                          i in accepted_set, outcome.node_source(i) if i in copied else "")
+                          i in accepted_set, outcome.node_source(i) if i in copied else "", depth_label=depth_label)
                    + ("<br><i>proposed, not verified this step</i>" if i in unverified else "")
                    for i in range(len(texts))],
         hoverinfo="text",
@@ -334,7 +338,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
         hoverinfo="text",
     ))
     # a lookup chain may run deeper than the heads: its columns are numbered by depth, compactly
-    column = "" if copied else "head "
+    column = "" if copied else f"{depth_label} "
     tick_text = ["root"] + [f"{column}{d}" for d in range(1, tree.max_depth + 1)] + ["bonus"]
     layout = {**style.base_layout(title_text, height), **dict(
         showlegend=True,

@@ -94,7 +94,7 @@ def build_view(facts: RunFacts | None, index: int | None = None, message: str = 
         status=_status(facts, message, index), stats=_stats(facts), text=_text(facts, index),
         plain_text=facts.text, summary=summary(facts, index), step_slider=StepControl(len(records), index + 1),
         tree=_tree(facts, record, note),
-        tree_compare=_comparison(facts, record), heads=heads_html(record, facts.token_bytes),
+        tree_compare=_comparison(facts, record), heads=heads_html(record, facts.token_bytes, _plain_why(facts, index)),
         mask=mask_figure(record.outcome, record.context_length, facts.token_bytes),
         phases=phase_figure(records, index), accepted=accepted_figure(records, index),
         cumulative=cumulative_figure(records, facts.ar), verify=verification_html(record, facts.greedy,
@@ -170,6 +170,19 @@ def tree_title(facts: RunFacts, record: StepRecord) -> str:
         else:
             main = entry.tree_phrase
     return f"Step {record.index + 1}: {main}"
+
+
+def _plain_why(facts: RunFacts, index: int) -> str:
+    """Why step `index` of a drafting run verified no tree ("" for plain decoding's own steps): one token
+    left to the limit leaves no room for a guess, else the drafters offered nothing this step."""
+    record = facts.records[index]
+    if not facts.spec.drafts or record.strategy != AUTOREGRESSIVE:
+        return ""
+    emitted_before = 1 + sum(len(r.new_tokens) for r in facts.records[:index])  # the prefill gave the first
+    limit = facts.settings.get("max_new_tokens")
+    if isinstance(limit, int) and limit - emitted_before <= 1:
+        return "one token was left to the limit, so there was nothing to guess and the base model gave it alone"
+    return "the drafters offered nothing this step, so the base model gave one token alone"
 
 
 def _depth_note(facts: RunFacts, record: StepRecord) -> str:
