@@ -114,6 +114,11 @@ class SessionRegistry:
         with self._lock:
             return key in self._labs
 
+    def keys(self) -> list[str]:
+        """The live sessions' keys, least recently used first."""
+        with self._lock:
+            return list(self._labs)
+
     def get(self, key: str) -> LabState | None:
         """The session's state (touched), None when it never had one; SessionExpired when it was dropped."""
         with self._lock:

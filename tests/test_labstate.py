@@ -77,6 +77,7 @@ def test_registry_expires_idle_sessions_evicts_the_least_recent_and_says_so():
     with second.working():
         registry.open("c")  # full: "b" is busy, so the least recent idle one ("a") goes
     assert "a" not in registry and "b" in registry and "c" in registry
+    assert registry.keys() == ["b", "c"]  # least recently used first
     with pytest.raises(labstate.SessionExpired):
         registry.get("a")
     clock.now = 200

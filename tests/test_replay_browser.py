@@ -196,10 +196,12 @@ loop();
 
 
 def test_the_status_trackers_counter_gets_frames_only_while_shown():
-    """assets/timer_frames.js: a hidden tracker's loop is called back every 2 s without a frame; once a
-    tracker is shown its loop gets a frame 4 times a second (the counter shows tenths); a loop its tracker
+    """assets/timer_frames.js: a hidden tracker's loop waits (no frame, no call: each call moves the
+    tracker's tweened stores for a second of frames); once a tracker is shown its loop gets a frame 4
+    times a second (the counter shows tenths), hidden again it waits again, and a loop its tracker
     stopped ends."""
     script = (Path(__file__).resolve().parents[1] / "assets/timer_frames.js").read_text(encoding="utf-8")
+    shown = "document.querySelector('[data-testid=status-tracker]').classList.{}('hide')"
     with playwright_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page()
@@ -209,13 +211,20 @@ def test_the_status_trackers_counter_gets_frames_only_while_shown():
                          f"<script>{script}</script>")
         page.add_script_tag(content=TRACKER_LOOP_JS)
         counts = lambda: page.evaluate("[window.__calls, window.__frames_asked]")  # noqa: E731
-        page.wait_for_timeout(3000)
-        hidden_calls, hidden_frames = counts()
-        assert 1 <= hidden_calls <= 2 and hidden_frames == 0  # one call per 2 s, no frame
-        page.evaluate("document.querySelector('[data-testid=status-tracker]').classList.remove('hide')")
-        page.wait_for_timeout(2500)  # the waiting loop notices within a quarter of a second
-        shown_calls, shown_frames = counts()
-        assert 6 <= shown_calls - hidden_calls <= 11 and 6 <= shown_frames - hidden_frames <= 11
+        page.wait_for_timeout(2000)
+        assert counts() == [0, 0]  # hidden: the loop waits
+        page.evaluate(shown.format("remove"))
+        page.wait_for_timeout(2500)  # the waiting loop is released within a quarter of a second
+        calls, frames = counts()
+        assert 6 <= calls <= 11 and 6 <= frames <= 11
+        page.evaluate(shown.format("add"))
+        page.wait_for_timeout(600)
+        hidden = counts()
+        page.wait_for_timeout(1500)
+        assert counts() == hidden  # hidden again: waiting again
+        page.evaluate(shown.format("remove"))
+        page.wait_for_timeout(1000)
+        assert counts()[0] >= hidden[0] + 2  # shown again: counting again
         page.evaluate("window.__running = false")
         page.wait_for_timeout(600)
         stopped = counts()
