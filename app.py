@@ -57,7 +57,6 @@ TRACE_TTL_S = 3600
 # every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
 RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "0.5"))
 REDRAW_YIELD_S = float(os.environ.get("MEDUSA_LAB_REDRAW_YIELD_S", "0.05"))  # see _let_the_browser_draw
-FIRST_REDRAW_YIELD_S = float(os.environ.get("MEDUSA_LAB_FIRST_REDRAW_YIELD_S", "0.2"))  # the run's first redraw
 QUEUE_POLL_S = float(os.environ.get("MEDUSA_LAB_QUEUE_POLL_S", "0.02"))  # see _quiet_queue
 PROGRESS_POLL_S = 0.1
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
@@ -198,7 +197,7 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
         lab = labstate.decoding_state(SESSIONS, key)
         local_browser = _browser_on_this_machine(request) and labstate.decoding_takes_every_core()
         with lab.working():
-            drawn_at, latest, redraws = 0.0, note, 0
+            drawn_at, latest = 0.0, note
             for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab),
                                                clicked_at=clicked_at, burst_s=RUN_REDRAW_S):
                 SESSIONS.touch(key, lab)
@@ -207,8 +206,7 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
                     drawn_at = time.monotonic()
                     yield render_progress(lab, message=latest)
                     if local_browser:
-                        _let_the_browser_draw(lab, FIRST_REDRAW_YIELD_S if redraws == 0 else REDRAW_YIELD_S)
-                    redraws += 1
+                        _let_the_browser_draw(lab)
             yield render(lab, message=latest)  # the run's last state, figures and all
     except Exception as error:  # noqa: BLE001
         yield _answer(request, error, _user_view(request))
@@ -223,16 +221,16 @@ def _browser_on_this_machine(request: gr.Request | None) -> bool:
     return host in ("127.0.0.1", "::1", "localhost")
 
 
-def _let_the_browser_draw(lab: labstate.LabState, seconds: float) -> None:
-    """Leave the cores to a browser on this machine for `seconds` after a redraw, counted as the page's
+def _let_the_browser_draw(lab: labstate.LabState) -> None:
+    """Leave the cores to a browser on this machine for a moment after a redraw, counted as the page's
     time. Drawn beside the next step, a redraw cost that step 20-140 ms that the step's clock charged to
     decoding (Chromium on the same 2-core EPYC, `dynamic:15`, gguf-q8: 8-11 steps of a 74-step run at
-    1.3-4x the median, the mean step 1.09-1.13x the median; with this pause 2-7 and 1.03-1.06x). The
-    run's first redraw is the browser's largest (the first step's text, cards and Revisit appear: ~95 ms
-    of Chromium's renderer against 25-45 ms for a later one, Zen 4), so it gets the longer pause."""
-    if seconds > 0:
-        time.sleep(seconds)
-        labstate.note_page_time(lab, seconds)
+    1.3-4x the median, the mean step 1.09-1.13x the median; with this pause 2-7 and 1.03-1.06x). A longer
+    pause after a run's first redraw (its largest: ~95 ms of Chromium's renderer) measured no better
+    (0.2 s against 0.05, Zen 4, 8 alternations: 5.90 / 5.85 ms a step)."""
+    if REDRAW_YIELD_S > 0:
+        time.sleep(REDRAW_YIELD_S)
+        labstate.note_page_time(lab, REDRAW_YIELD_S)
 
 
 @functools.cache
@@ -492,6 +490,7 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "", record_on_start: 
             panel["step_slider"].release(on_view, [panel["step_slider"], replay_box["state"]],
                                          [replay_box["state"], *view], api_name="view", show_progress="hidden",
                                          preprocess=False)
+            # the header's model line: no loader over it (a shown tracker gets frames, assets/timer_frames.js)
             demo.load(on_load, None, [model_info], api_visibility="private", show_progress="hidden")
             demo.unload(on_unload)
     demo.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)
