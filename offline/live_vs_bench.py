@@ -11,6 +11,7 @@ figures go in docs/RESULTS.md.
     python -m offline.live_vs_bench --question 81 --strategy dynamic --budget 15 --precision bf16
     python -m offline.live_vs_bench --strategy dynamic:auto+lookup --label "prompt lookup" --budget 63 --precision gguf-q8
     python -m offline.live_vs_bench --strategy dynamic:auto+lookup --budget 63 --precision gguf-q8 --client api --pairs 6
+    python -m offline.live_vs_bench --strategy dynamic:auto+lookup --label "prompt lookup" --budget 63 --precision gguf-q8 --pairs 6 --settle 3
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def _page_run(browser, url: str, prompt: str, args: argparse.Namespace) -> dict:
         box.fill(str(value))
         box.press("Tab")
     page.locator("#precision label", has_text=args.precision).first.click()
+    if args.settle:  # a person reads the page first; its first seconds draw (Gradio's Blocks asks for frames)
+        page.wait_for_timeout(1000 * args.settle)
     page.locator("#run-btn").click()
     page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
                            timeout=900_000, polling=POLL_MS)
@@ -212,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--client", choices=("browser", "api"), default="browser",
                         help="drive the page in Chromium (default) or call the same server through gradio_client")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds the page rests once set up, before Run is clicked (browser mode)")
     parser.add_argument("--pairs", type=int, default=0,
                         help="this many alternations of a benchmark run and a served run, one server up "
                              "throughout (else one served run between two benchmarks)")

@@ -263,8 +263,8 @@ def test_cancelled_run_stops_computing(url):
 
 
 def test_stop_endpoint_ends_the_run_loop(url):
-    client = _client(url)
-    job = client.submit(PROMPT_A, **{**SETTINGS, "max_new_tokens": 300}, api_name="/run")
+    client = _client(url)  # a prompt with no EOS for hundreds of tokens: a haiku ended itself before Stop landed
+    job = client.submit(LONG_A, **{**SETTINGS, "max_new_tokens": 300}, api_name="/run")
     _wait_outputs(job, 2)
     client.predict(api_name="/stop")
     deadline = time.time() + 30
