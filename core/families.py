@@ -41,6 +41,7 @@ class Family:
     guesses: str = ""  # how its drafter guesses, in a few words (the rival tree's title)
     node_phrase: str = "head"  # a grown tree's node, before its depth ("Hydra head 2, child 0")
     depth_label: str = "head"  # what guesses depth d in the tree's axis and the table's rows ("head 2", "depth 2")
+    guesser: str = "head"  # who made a guess, in a tree's subtitle ("2 head guesses accepted")
     table_caption: str = ""  # the heads table's caption for a grown tree
 
     @property
@@ -79,7 +80,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            drafter="core.drafters.eagle:EagleDrafter", weights_name="the EAGLE draft layer",
            weights_folder="assets/eagle", tree_phrase="EAGLE tree grown from the draft layer's features", rival=HYDRA,
            guesses="each guess reads the base model's features and its path", node_phrase="EAGLE draft step",
-           depth_label="depth",
+           depth_label="depth", guesser="draft",
            table_caption="The EAGLE draft layer reads the base model's features, then its own output: row d is its "
                          "guesses at depth d after the best guesses of the rows above (other branches got their own)"),
 )}

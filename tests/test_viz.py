@@ -289,6 +289,7 @@ def test_an_eagle_tree_names_its_columns_by_depth_not_head():
     fig = tree_figure(outcome, "EAGLE")
     assert list(fig.layout.xaxis.ticktext) == ["root", "depth 1", "depth 2", "depth 3", "bonus"]
     assert "depth 2 · rank 1" in _trace(fig, "candidate (colour = joint p)").hovertext[5]
+    assert "3 draft guesses accepted" in fig.layout.title.text
     table = heads_html(_record(0, outcome, strategy="eagle"))
     assert "<th>depth 1<br>" in table and "<th>head 1<br>" not in table
 

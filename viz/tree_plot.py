@@ -218,8 +218,10 @@ def _subtitle(outcome: TreeOutcome, note: str) -> str:
     accepted = len(outcome.accepted_nodes) - 1
     accepted_copies = sum(1 for node in outcome.accepted_nodes if node in copied)
     source = f" ({accepted_copies} ◆ copied)" if copied else ""
+    kind = FAMILIES.get(tree.kind)  # a step kind may be no family (a lookup-only step)
+    guesser = "" if copied else f"{kind.guesser if kind else 'head'} "
     text = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted} "
-            f"{'' if copied else 'head '}guess{'es' if accepted != 1 else ''} accepted{source} + bonus = "
+            f"{guesser}guess{'es' if accepted != 1 else ''} accepted{source} + bonus = "
             f"{accepted + 1} token{'s' if accepted else ''}")
     return f"{text} · {note}" if note else text
 
