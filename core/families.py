@@ -100,6 +100,19 @@ def grows_tree(kind: str) -> bool:
     return entry is not None and entry.grows_tree
 
 
+def depth_label(kind: str) -> str:
+    """What guessed depth d of a tree of this kind, for its axis, hover and table ("head", EAGLE's "depth");
+    a step kind that is no family (a lookup-only step) reads as heads."""
+    entry = FAMILIES.get(kind)
+    return entry.depth_label if entry is not None else "head"
+
+
+def guesser(kind: str) -> str:
+    """Who made a tree's guesses, for its subtitle ("head", EAGLE's "draft"); heads for a step kind."""
+    entry = FAMILIES.get(kind)
+    return entry.guesser if entry is not None else "head"
+
+
 def _resolve(path: str) -> Callable[..., Any]:
     module, _, attribute = path.partition(":")
     return getattr(importlib.import_module(module), attribute)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from core.families import FAMILIES
+from core.families import FAMILIES, depth_label
 from core.strategy import LOOKUP
 from viz.facts import RunStats
 from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
@@ -163,8 +163,7 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None,
                 'base model for one token.</div>')
     accepted_ranks = _accepted_ranks(record)
     header = "".join(f"<th>rank {r}</th>" for r in range(len(record.head_probs[0])))
-    kind = FAMILIES.get(record.outcome.tree.kind)
-    row_label = kind.depth_label if kind else "head"
+    row_label = depth_label(record.outcome.tree.kind)
     rows = []
     for depth, (probs, ids) in enumerate(zip(record.head_probs, record.head_token_ids), start=1):
         fallback = record.head_texts[depth - 1] if len(record.head_texts) >= depth else []

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import networkx as nx
 import plotly.graph_objects as go
 
-from core.families import FAMILIES
+from core.families import depth_label, guesser
 from viz import style
 from viz.labels import TokenBytes, pieces, plotly_escape, shorten, text_px, token_hover, token_text, visible
 
@@ -184,9 +184,9 @@ CHAIN_SOURCE_TEXT = {"lookup": "◆ prompt lookup: copied from where the last wo
 
 
 def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: float, joint: float,
-           accepted: bool, copied: str = "", depth_label: str = "head") -> str:
+           accepted: bool, copied: str = "", depth_word: str = "head") -> str:
     """Hover text of one node; `copied` names the chain drafter of a chain-only node ("" for head nodes),
-    `depth_label` what guessed its depth (the family's: "head", "depth")."""
+    `depth_word` what guessed its depth (the family's `depth_label`: "head", "depth")."""
     if node == 0:
         return (f"<b>root</b> {token_hover(text)} (id {token})<br>the base model's own next token,"
                 f"<br>emitted by the previous step" + ("<br><b>✓ start of the accepted path</b>" if accepted else ""))
@@ -195,7 +195,7 @@ def _hover(node: int, text: str, token: int, depth: int, rank: int, marginal: fl
         source = CHAIN_SOURCE_TEXT.get(copied, f"◆ {copied}")
         return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · depth {depth} · {source}"
                 f"<br>estimated p = {joint:.3f} (learned this run)<br>{verdict}")
-    return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · {depth_label} {depth} · rank {rank}"
+    return (f"<b>{token_hover(text)}</b> (id {token})<br>node {node} · {depth_word} {depth} · rank {rank}"
             f"<br>marginal p = {marginal:.4f}<br>joint p = {joint:.2e}<br>{verdict}")
 
 
@@ -218,10 +218,9 @@ def _subtitle(outcome: TreeOutcome, note: str) -> str:
     accepted = len(outcome.accepted_nodes) - 1
     accepted_copies = sum(1 for node in outcome.accepted_nodes if node in copied)
     source = f" ({accepted_copies} ◆ copied)" if copied else ""
-    kind = FAMILIES.get(tree.kind)  # a step kind may be no family (a lookup-only step)
-    guesser = "" if copied else f"{kind.guesser if kind else 'head'} "
+    who = "" if copied else f"{guesser(tree.kind)} "
     text = (f"{tree.num_nodes} candidate{'s' if tree.num_nodes != 1 else ''} · {accepted} "
-            f"{guesser}guess{'es' if accepted != 1 else ''} accepted{source} + bonus = "
+            f"{who}guess{'es' if accepted != 1 else ''} accepted{source} + bonus = "
             f"{accepted + 1} token{'s' if accepted else ''}")
     return f"{text} · {note}" if note else text
 
@@ -260,8 +259,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
     accepted_set = set(accepted)
     copied = outcome.lookup_nodes
     texts, bonus_text = node_texts(outcome, token_bytes)
-    kind = FAMILIES.get(tree.kind)  # a step kind may be no family (a lookup-only step)
-    depth_label = kind.depth_label if kind else "head"
+    depth_word = depth_label(tree.kind)
     marginals = _marginals(scores, parents)
     sizes = [_marker_size(p, i in copied) for i, p in enumerate(scores)]
     title_text, title_lines = _title_html(title, _subtitle(outcome, note))
@@ -305,7 +303,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
         textfont={"size": FONT_PX, "color": [style.UNVERIFIED if i in unverified else style.TEXT
                                              for i in range(len(texts))]}, cliponaxis=False,
         hovertext=[_hover(i, texts[i], outcome.node_tokens[i], depths[i], ranks[i], marginals[i], scores[i],
-                          i in accepted_set, outcome.node_source(i) if i in copied else "", depth_label=depth_label)
+                          i in accepted_set, outcome.node_source(i) if i in copied else "", depth_word=depth_word)
                    + ("<br><i>proposed, not verified this step</i>" if i in unverified else "")
                    for i in range(len(texts))],
         hoverinfo="text",
@@ -340,7 +338,7 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
         hoverinfo="text",
     ))
     # a lookup chain may run deeper than the heads: its columns are numbered by depth, compactly
-    column = "" if copied else f"{depth_label} "
+    column = "" if copied else f"{depth_word} "
     tick_text = ["root"] + [f"{column}{d}" for d in range(1, tree.max_depth + 1)] + ["bonus"]
     layout = {**style.base_layout(title_text, height), **dict(
         showlegend=True,
