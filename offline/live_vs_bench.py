@@ -73,35 +73,50 @@ def _steps_seconds(row: dict) -> float:
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
     with served_app(env=SERVED_ENV) as (url, _), sync_playwright() as pw:
-        browser = _chromium(pw)
+        browser = chromium(pw)
         result = _page_run(browser, url, prompt, args)
         browser.close()
     return result
 
 
-def _chromium(pw):
+def chromium(pw):
     """Debian's Chromium, headless (the browser the tests drive)."""
     return pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+
+
+def open_page(browser, url: str):
+    """A fresh page (a new session) of `browser` on the served `url`, once its controls are there."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(url)
+    page.locator("#step-btn").wait_for()
+    return page
+
+
+def run_to_end(page, prompt: str, *, label: str, budget: int, tokens: int, precision: str,
+               settle_s: float = 0.0) -> None:
+    """Set the prompt, the strategy (the first radio whose label holds `label`: the panel lists a
+    family's shortest label first), budget, token limit and precision, click Run to end and wait until
+    the status line says the run finished. `settle_s`: the page rests that long before the click."""
+    page.get_by_label("Prompt", exact=True).fill(prompt)
+    page.locator("#strategy label", has_text=label).first.click()
+    for elem_id, value in (("budget", budget), ("max-new", tokens)):
+        box = page.locator(f"#{elem_id} input[type=number]")
+        box.fill(str(value))
+        box.press("Tab")
+    page.locator("#precision label", has_text=precision).first.click()  # "gguf" comes before "gguf-q8"
+    if settle_s:  # a person reads the page first; its first seconds draw (Gradio's Blocks asks for frames)
+        page.wait_for_timeout(1000 * settle_s)
+    page.locator("#run-btn").click()
+    page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
+                           timeout=900_000, polling=POLL_MS)
 
 
 def _page_run(browser, url: str, prompt: str, args: argparse.Namespace) -> dict:
     """One Run to end in a fresh page (a new session) of `browser` on the served `url`: the card's
     figures and the run's own trace."""
-    page = browser.new_page(viewport={"width": 1440, "height": 900})
-    page.goto(url)
-    page.locator("#step-btn").wait_for()
-    page.get_by_label("Prompt", exact=True).fill(prompt)
-    page.locator("#strategy label", has_text=args.label).first.click()
-    for elem_id, value in (("budget", args.budget), ("max-new", args.tokens)):
-        box = page.locator(f"#{elem_id} input[type=number]")
-        box.fill(str(value))
-        box.press("Tab")
-    page.locator("#precision label", has_text=args.precision).first.click()
-    if args.settle:  # a person reads the page first; its first seconds draw (Gradio's Blocks asks for frames)
-        page.wait_for_timeout(1000 * args.settle)
-    page.locator("#run-btn").click()
-    page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
-                           timeout=900_000, polling=POLL_MS)
+    page = open_page(browser, url)
+    run_to_end(page, prompt, label=args.label, budget=args.budget, tokens=args.tokens, precision=args.precision,
+               settle_s=args.settle)
     # a fixed-size run's verdict waits for the plain run of its prompt, timed after the run
     page.wait_for_function("() => !document.querySelector('#stats .card.speed .sub')?.textContent"
                            ".includes('measuring')", timeout=300_000,
@@ -156,7 +171,7 @@ def _alternations(row: dict, spec: str, args: argparse.Namespace) -> dict:
             client = _api_client(url)
             return _pairs(row, spec, args, lambda: _api_run(client, prompt, args))
         with sync_playwright() as pw:
-            browser = _chromium(pw)
+            browser = chromium(pw)
             return _pairs(row, spec, args, lambda: _page_run(browser, url, prompt, args))
 
 

@@ -18,6 +18,8 @@ import subprocess
 import time
 from typing import Callable
 
+from playwright.sync_api import sync_playwright
+
 import app
 import labstate
 from core.decoder import PageViews, decode
@@ -26,10 +28,10 @@ from core.tensor_thread import run_on_tensor_thread
 from labstate.runs import prepare
 from labstate.shared import cost_profile
 from offline.bench import PHASES
+from offline import live_vs_bench
 from offline.served import REPO, free_port
 
 MODES = ("bench", "curl", "idle-page", "chromium")
-CHROMIUM = "/usr/bin/chromium"
 
 
 def step_stats(records: list[StepRecord]) -> dict:
@@ -48,10 +50,10 @@ class Paths:
         self.settings = labstate.parse_settings(raw)
         self.prepared = prepare(prompt, self.settings)
         self.profile = cost_profile(self.prepared.runtime, wait=True)
-        self.url = f"http://127.0.0.1:{free_port()}"
-        demo = app.build_demo()
-        demo.launch(server_name="127.0.0.1", server_port=int(self.url.rsplit(":", 1)[1]), prevent_thread_lock=True,
-                    **app.launch_kwargs())
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        app.build_demo().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                                **app.launch_kwargs())
         self.run_inputs = self._run_inputs()
         self.browser = None
 
@@ -97,18 +99,9 @@ class Paths:
         before = set(app.SESSIONS.keys())
         page = self._open_page()
         try:
-            page.get_by_label("Prompt", exact=True).fill(self.prompt)
-            label = labstate.STRATEGY_LABELS[self.settings.ui_strategy]
-            # the panel lists a family's shortest label first ("... + prompt lookup" before "... + datastore")
-            page.locator("#strategy label", has_text=label).first.click()
-            for elem_id, value in (("budget", self.settings.budget), ("max-new", self.settings.max_new_tokens)):
-                box = page.locator(f"#{elem_id} input[type=number]")
-                box.fill(str(value))
-                box.press("Tab")
-            page.locator("#precision label", has_text=self.settings.precision).first.click()  # "gguf" comes first
-            page.locator("#run-btn").click()
-            page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
-                                   timeout=900_000, polling=250)
+            live_vs_bench.run_to_end(page, self.prompt, label=labstate.STRATEGY_LABELS[self.settings.ui_strategy],
+                                     budget=self.settings.budget, tokens=self.settings.max_new_tokens,
+                                     precision=self.settings.precision)
         finally:
             page.close()
         new = [key for key in app.SESSIONS.keys() if key not in before]
@@ -116,13 +109,8 @@ class Paths:
 
     def _open_page(self):
         if self.browser is None:
-            from playwright.sync_api import sync_playwright
-
-            self.browser = sync_playwright().start().chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = self.browser.new_page(viewport={"width": 1440, "height": 900})
-        page.goto(self.url)
-        page.locator("#step-btn").wait_for()
-        return page
+            self.browser = live_vs_bench.chromium(sync_playwright().start())
+        return live_vs_bench.open_page(self.browser, self.url)
 
     def mode(self, name: str) -> Callable[[], list[StepRecord]]:
         return {"bench": self.bench, "curl": self.curl, "idle-page": self.idle_page, "chromium": self.chromium}[name]
