@@ -56,7 +56,7 @@ TRACE_TTL_S = 3600
 # Live in Chromium over the benchmark's ms a step (2-core Xeon, bf16, dynamic:15, same 2 cores): 1.94x with
 # every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
 RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "0.5"))
-REDRAW_YIELD_S = float(os.environ.get("MEDUSA_LAB_REDRAW_YIELD_S", "0.05"))  # see _let_the_browser_draw
+DRAW_WAIT_S = float(os.environ.get("MEDUSA_LAB_DRAW_WAIT_S", "0.5"))  # see _wait_for_the_browser
 QUEUE_POLL_S = float(os.environ.get("MEDUSA_LAB_QUEUE_POLL_S", "0.02"))  # see _quiet_queue
 PROGRESS_POLL_S = 0.1
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
@@ -95,12 +95,15 @@ def render(lab: labstate.LabState | None, index: int | None = None, message: str
     return outputs
 
 
-def render_progress(lab: labstate.LabState, message: str = "") -> tuple:
+def render_progress(lab: labstate.LabState, message: str = "", draw_number: int | None = None) -> tuple:
     """A redraw while the user's run is running: its progress alone, built without its figures (the
-    other outputs stay as they are); timed as the page's overhead like `render`."""
+    other outputs stay as they are); timed as the page's overhead like `render`. With `draw_number` the
+    cards carry it, and the page says when it has drawn them (assets/page.js, `on_drawn`)."""
     started = time.perf_counter()
     progress = build_progress(labstate.facts_of(lab, lab.run), message)
     values = {name: getattr(progress, name) for name in PROGRESS_FIELDS}
+    if draw_number is not None:
+        values["stats"] += f'<i hidden data-draw="{draw_number}"></i>'
     values["step_slider"] = _revisit_slider(progress.step_slider)
     outputs = tuple(values.get(name, gr.skip()) for name in VIEW_OUTPUT_NAMES)
     labstate.note_page_time(lab, time.perf_counter() - started)
@@ -204,9 +207,10 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
                 latest = " ".join(m for m in (note, message) if m)
                 if time.monotonic() - drawn_at >= RUN_REDRAW_S:  # a redraw competes with decoding for the cores
                     drawn_at = time.monotonic()
-                    yield render_progress(lab, message=latest)
-                    if local_browser:
-                        _let_the_browser_draw(lab)
+                    number = lab.expect_drawing() if local_browser else None
+                    yield render_progress(lab, message=latest, draw_number=number)
+                    if number is not None:
+                        _wait_for_the_browser(lab)
             yield render(lab, message=latest)  # the run's last state, figures and all
     except Exception as error:  # noqa: BLE001
         yield _answer(request, error, _user_view(request))
@@ -221,16 +225,26 @@ def _browser_on_this_machine(request: gr.Request | None) -> bool:
     return host in ("127.0.0.1", "::1", "localhost")
 
 
-def _let_the_browser_draw(lab: labstate.LabState) -> None:
-    """Leave the cores to a browser on this machine for a moment after a redraw, counted as the page's
-    time. Drawn beside the next step, a redraw cost that step 20-140 ms that the step's clock charged to
-    decoding (Chromium on the same 2-core EPYC, `dynamic:15`, gguf-q8: 8-11 steps of a 74-step run at
-    1.3-4x the median, the mean step 1.09-1.13x the median; with this pause 2-7 and 1.03-1.06x). A longer
-    pause after a run's first redraw (its largest: ~95 ms of Chromium's renderer) measured no better
-    (0.2 s against 0.05, Zen 4, 8 alternations: 5.90 / 5.85 ms a step)."""
-    if REDRAW_YIELD_S > 0:
-        time.sleep(REDRAW_YIELD_S)
-        labstate.note_page_time(lab, REDRAW_YIELD_S)
+def _wait_for_the_browser(lab: labstate.LabState) -> None:
+    """Leave the cores to a browser on this machine until it says it has drawn the redraw just sent (at
+    most DRAW_WAIT_S), counted as the page's time: drawn beside the next steps, a redraw cost them what
+    their clock charged to decoding. Chromium on the same 2-core EPYC (gguf-q8, `dynamic:auto+lookup`,
+    128 tokens; `offline.live_vs_bench --pairs`): the page says so 21-36 ms after a progress redraw
+    (40-90 ms after a run's first); a live step over the benchmark's 1.29 with no wait (6 pairs), 1.069
+    with this one (16 pairs), 1.080 with round 33's fixed 50 ms pause, which a slower browser outlasts."""
+    started = time.perf_counter()
+    drawn = lab.wait_drawn(DRAW_WAIT_S)
+    labstate.note_page_draw(lab, time.perf_counter() - started, drawn)
+
+
+def on_drawn(number: float | None, request: gr.Request = None) -> None:
+    """The page has drawn the Run-to-end redraw `number` (its cards carry it): the run decodes on."""
+    try:
+        lab = SESSIONS.get(_session_key(request))
+    except labstate.SessionExpired:
+        return
+    if lab is not None and isinstance(number, (int, float)):
+        lab.mark_drawn(int(number))
 
 
 @functools.cache
@@ -435,6 +449,10 @@ def _wire_live(controls: dict, view: list, shown_replay: gr.State) -> None:
     step_event = controls["step"].click(on_step, [*inputs, clicked_at], view, api_name="step", trigger_mode="multiple",
                                         **stamp)
     controls["stop"].click(None, None, None, cancels=[run_event, step_event], api_visibility="private")
+    controls["drawn"].click(on_drawn, [controls["drawn_number"]], None, queue=False, show_progress="hidden",
+                            trigger_mode="multiple",  # one redraw's word may still be on its way at the next
+                            js="() => [Number(document.querySelector('#stats [data-draw]')?.dataset.draw || 0)]",
+                            api_visibility="private")
     controls["stop"].click(on_stop, [clicked_at], view, api_name="stop", queue=False,  # waits for the step in flight
                            js="() => [Date.now()]")
     reset_event = controls["reset"].click(on_reset, None, view, api_name="reset", cancels=[run_event, step_event])

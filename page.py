@@ -108,6 +108,9 @@ def _live_controls(controls: dict, settings_panel: Callable[[], list]) -> dict:
     controls["settings"] = settings_panel()
     # the page's clock at a Step, Run or Stop click (set by the click's js): a click made before Stop is dropped
     controls["clicked_at"] = gr.Number(None, visible=False, label="clicked at (ms, page clock)")
+    # a browser on the serving machine says it has drawn a Run's redraw (assets/page.js clicks it): the run waits
+    controls["drawn"] = gr.Button("drawn", visible="hidden", elem_id="drawn-btn")
+    controls["drawn_number"] = gr.Number(None, visible=False, label="redraw drawn")
     with gr.Accordion("Export", open=False):
         controls["trace"] = gr.Button("Build JSON trace of this run", size="sm", elem_id="trace-btn")
         controls["trace_file"] = gr.File(label="JSON trace", interactive=False, elem_id="trace-file")

@@ -59,10 +59,30 @@
     if (box.top >= 0 && below > 0) { window.scrollBy({ top: Math.min(box.top, below), behavior: 'instant' }); }
   };
   const followSoon = oncePerFrame(followText), placeSoon = oncePerFrame(treeIntoView);
+  // Run to end with the browser on the serving machine: the server waits until the page has drawn a
+  // redraw whose cards carry a number (#stats [data-draw]) before it decodes on, as drawing and decoding
+  // share the cores. Drawn: two frames painted and the main thread idle (a hidden tab draws nothing).
+  // (Looked for after every DOM change: a redraw's records do not always name #stats as their target.)
+  let saidDrawn = 0, drawing = 0;
+  const redrawNumber = () => Number(document.querySelector('#stats [data-draw]')?.dataset.draw || 0);
+  const sayDrawn = () => {
+    const number = redrawNumber(), button = document.querySelector('#drawn-btn');
+    if (!number || number === saidDrawn || !button) { return; }
+    saidDrawn = number;
+    button.click();
+  };
+  const afterDrawing = () => {
+    const number = redrawNumber();
+    if (!number || number === saidDrawn || number === drawing) { return; }
+    drawing = number;
+    if (document.hidden) { sayDrawn(); return; }
+    requestAnimationFrame(() => requestAnimationFrame(() => requestIdleCallback(sayDrawn, { timeout: 200 })));
+  };
   new MutationObserver((records) => {
     purgeRemoved(records);
     if (touches(records, '#gen-text')) { followSoon(); }
     if (touches(records, '#tree-plot')) { placeSoon(); }
+    afterDrawing();
   }).observe(document.body, { childList: true, subtree: true });
   // a typed value outside a slider's range: Gradio clamps it on blur without a word, so the page says so
   // under the slider (read in the capture phase, before the clamp), and drops the note once in range

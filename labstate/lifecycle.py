@@ -272,6 +272,14 @@ def note_page_time(lab: LabState | None, seconds: float) -> None:
         lab.run.page_seconds.append(seconds)
 
 
+def note_page_draw(lab: LabState | None, seconds: float, drawn: bool) -> None:
+    """Record a wait for a browser on this machine to draw a redraw (page time), and whether it said it
+    had drawn within the wait (the trace counts both)."""
+    note_page_time(lab, seconds)
+    if lab is not None and lab.run is not None:
+        lab.run.draws_awaited.append(drawn)
+
+
 def _per_step_ms(seconds: list[float], steps: int) -> float | None:
     """The page's time over the run's steps (a Run to end draws once for many steps, Step once a step)."""
     return sum(seconds) * 1e3 / steps if seconds and steps else None
@@ -284,7 +292,9 @@ def run_trace(lab: LabState | None, extra: dict | None = None) -> str:
     run = lab.run
     facts = facts_of(lab, run)
     meta = {**summary(facts, None), "text": facts.text, "prompt_ids": run.session.prompt_ids,
-            "prefill_seconds": run.session.prefill_seconds, "decode_config": run.session.config, **(extra or {})}
+            "prefill_seconds": run.session.prefill_seconds, "decode_config": run.session.config,
+            "page_seconds": sum(run.page_seconds), "draws_awaited": len(run.draws_awaited),
+            "draws_drawn_in_time": sum(run.draws_awaited), **(extra or {})}
     return trace_json(facts, meta)
 
 

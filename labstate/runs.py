@@ -28,6 +28,7 @@ class Run:
     note: str = ""
     mode: str = READY  # READY after Start, PAUSED after a Step, RUNNING inside Run to end, STOPPED after Stop
     page_seconds: list[float] = field(default_factory=list)  # the page's time on this run, not decoding's
+    draws_awaited: list[bool] = field(default_factory=list)  # each redraw a Run waited for: drawn in time?
     stepping: bool = False  # a step of this run is in flight (Stop waits for it to end)
 
     @property

@@ -28,12 +28,15 @@ class LabState:
     last_used: float = 0.0  # SessionRegistry clock
     active: int = 0  # handlers working on this state now (never evicted while > 0 unless idle-expired)
     stop_clicked_at: float | None = None  # the page's clock (ms) at the last Stop click: older clicks are dropped
+    awaited_draw: int = 0  # the number of the last redraw a Run asked the page to say it has drawn (0: none)
+    _drawn: threading.Event = field(default_factory=threading.Event, repr=False)  # set when the page says so
     _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def interrupt(self) -> None:
         """Make any running loop stop before its next step."""
         with self._count_lock:
             self.epoch += 1
+            self._drawn.set()  # a loop waiting for the page to draw goes on to stop
 
     def stop(self, clicked_at: float | None = None) -> None:
         """Stop: a running loop and any step that is waiting end without stepping; the run says it stopped.
@@ -47,6 +50,7 @@ class LabState:
                 self.stop_clicked_at = max(clicked_at, self.stop_clicked_at or clicked_at)
             if self.run is not None:
                 self.run.mode = STOPPED
+            self._drawn.set()
 
     def pause_after_step(self, run: Run, epoch: int) -> None:
         """A Step ended: the run is paused, unless Stop, Start or Reset came while it stepped (it stays
@@ -60,6 +64,24 @@ class LabState:
         with self._count_lock:
             if run.mode == RUNNING:
                 run.mode = PAUSED
+
+    def expect_drawing(self) -> int:
+        """A redraw is about to go to a page that says when it has drawn it: that redraw's number."""
+        with self._count_lock:
+            self.awaited_draw += 1
+            self._drawn.clear()
+            return self.awaited_draw
+
+    def mark_drawn(self, number: int) -> None:
+        """The page says it has drawn redraw `number`; an older redraw's word is ignored."""
+        with self._count_lock:
+            if number == self.awaited_draw:
+                self._drawn.set()
+
+    def wait_drawn(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the page to draw the awaited redraw (or for Stop, Start,
+        Reset); False when it did not say so in time."""
+        return self._drawn.wait(timeout)
 
     def clicked_before_stop(self, clicked_at: float | None) -> bool:
         """A Step or Run clicked (page clock) before the last Stop: it must not step."""

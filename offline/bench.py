@@ -301,6 +301,23 @@ def load_llama_peer(specs: list[str]) -> LlamaCppPeer | None:
     return LlamaCppPeer.load(location[0] / location[1])
 
 
+def load_head_set(base: BaseModel, heads_dir: Path | None = None, hydra_dir: Path | None = None
+                  ) -> tuple[HeadSet, str]:
+    """Every drafting family's weights for `base`: the Medusa heads from `heads_dir` (default: the
+    shipped ones), every other family's shipped weights, Hydra's from `hydra_dir` when given; and where
+    the Medusa heads came from."""
+    if heads_dir is not None:
+        heads, heads_source = load_heads(heads_dir, dtype=base.dtype, device=base.device), str(heads_dir)
+    else:
+        heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size,
+                                            dtype=base.dtype, device=base.device)
+    others = {entry.weights_key: entry.load_weights(base)[0] for entry in FAMILIES.values()
+              if entry.drafts and entry.weights_key != MEDUSA}  # every other family's shipped weights
+    if hydra_dir is not None:
+        others[family(HYDRA).weights_key] = load_hydra_heads(hydra_dir, dtype=base.dtype, device=base.device)
+    return HeadSet(medusa=heads, others=others), heads_source
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path)
@@ -338,17 +355,8 @@ def main() -> None:
     if args.model is not None:
         model_config = replace(model_config, name=args.model)
     base = load_base_model(model_config)
-    if args.heads is not None:
-        heads, heads_source = load_heads(args.heads, dtype=base.dtype, device=base.device), str(args.heads)
-    else:
-        heads, heads_source = default_heads(base.model.config.hidden_size, base.model.config.vocab_size,
-                                            dtype=base.dtype, device=base.device)
-    others = {entry.weights_key: entry.load_weights(base)[0] for entry in FAMILIES.values()
-              if entry.drafts and entry.weights_key != MEDUSA}  # every other family's shipped weights
-    if args.hydra is not None:
-        others[family(HYDRA).weights_key] = load_hydra_heads(args.hydra, dtype=base.dtype, device=base.device)
-    hydra = others.get(family(HYDRA).weights_key)
-    head_set = HeadSet(medusa=heads, others=others)
+    head_set, heads_source = load_head_set(base, args.heads, args.hydra)
+    hydra = head_set.others.get(family(HYDRA).weights_key)
     sampling = SamplingConfig(temperature=args.temperature)
     rule = "greedy" if sampling.greedy else args.rule
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,

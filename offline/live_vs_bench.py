@@ -5,8 +5,11 @@ the speed card), and the two runs' verdicts (the speed card's "x plain decoding"
 benchmark's plain / strategy time for the same tokens). The benchmark runs before and after the page
 (the VM's speed drifts 20 % in minutes; their mean is the reference), and the page's run is read back
 from its own JSON trace: the mean and the median step, the first tree step, and the steps slower than
-1.3x the median (a browser drawing on the decoding cores shows as such steps). Not a test (it times);
-figures go in docs/RESULTS.md.
+1.3x the median (a browser drawing on the decoding cores shows as such steps). With `--pairs N` a
+benchmark process stays up beside the server (`BenchWorker`) and each served run sits between two
+benchmark runs, each started on a quiet machine, after one warm-up run of each (the step ratio is the
+served run's mean step over the two benchmark runs' mean). The harness never polls the page: it waits
+inside it on DOM changes. Not a test (it times); figures go in docs/RESULTS.md.
 
     python -m offline.live_vs_bench --question 81 --strategy dynamic --budget 15 --precision bf16
     python -m offline.live_vs_bench --strategy dynamic:auto+lookup --label "prompt lookup" --budget 63 --precision gguf-q8
@@ -23,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -35,9 +39,15 @@ from offline.served import REPO, served_app
 
 SERVED_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
 SLOW_STEP = 1.3  # a step this many times the run's median counts as slow
-# the harness asks the page 4 times a second, not at every animation frame (Playwright's default); the
-# renderer's CPU during a run measured the same either way (Gradio's own frame loop dominates it)
-POLL_MS = 250
+# the harness waits for the page inside it (a MutationObserver), never polling it: a person watching a
+# run does not poll, and each poll woke Chromium, Playwright's driver and this process on the decoding cores
+WAIT_JS = """([condition, timeoutMs]) => new Promise((resolve, reject) => {
+  const met = new Function(`return (${condition})`);
+  if (met()) { resolve(true); return; }
+  const observer = new MutationObserver(() => { if (met()) { observer.disconnect(); resolve(true); } });
+  observer.observe(document.body, { childList: true, subtree: true, characterData: true, attributes: true });
+  setTimeout(() => { observer.disconnect(); reject(new Error(`not met in ${timeoutMs} ms: ${condition}`)); }, timeoutMs);
+})"""
 
 
 def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
@@ -107,8 +117,12 @@ def run_to_end(page, prompt: str, *, label: str, budget: int, tokens: int, preci
     if settle_s:  # a person reads the page first; its first seconds draw (Gradio's Blocks asks for frames)
         page.wait_for_timeout(1000 * settle_s)
     page.locator("#run-btn").click()
-    page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
-                           timeout=900_000, polling=POLL_MS)
+    wait_until(page, "document.querySelector('#status')?.textContent.includes('finished')", timeout_ms=900_000)
+
+
+def wait_until(page, condition: str, timeout_ms: int) -> None:
+    """Wait until the JS expression `condition` holds in `page`, looked at after each DOM change."""
+    page.evaluate(WAIT_JS, [condition, timeout_ms])
 
 
 def _page_run(browser, url: str, prompt: str, args: argparse.Namespace) -> dict:
@@ -118,9 +132,8 @@ def _page_run(browser, url: str, prompt: str, args: argparse.Namespace) -> dict:
     run_to_end(page, prompt, label=args.label, budget=args.budget, tokens=args.tokens, precision=args.precision,
                settle_s=args.settle)
     # a fixed-size run's verdict waits for the plain run of its prompt, timed after the run
-    page.wait_for_function("() => !document.querySelector('#stats .card.speed .sub')?.textContent"
-                           ".includes('measuring')", timeout=300_000,
-                           polling=POLL_MS)
+    wait_until(page, "!document.querySelector('#stats .card.speed .sub')?.textContent.includes('measuring')",
+               timeout_ms=300_000)
     cards = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#stats .card')]"
                           ".map(c => [c.querySelector('.k')?.textContent.trim(), c.querySelector('.v')?.textContent]))")
     card = page.locator("#stats").inner_text()
@@ -176,18 +189,104 @@ def _alternations(row: dict, spec: str, args: argparse.Namespace) -> dict:
 
 
 def _pairs(row: dict, spec: str, args: argparse.Namespace, served_run: Callable[[], dict]) -> dict:
-    """`args.pairs` times a benchmark run then `served_run()`, and the summary `_alternations` returns."""
+    """`args.pairs` served runs, each between two benchmark runs of a benchmark process kept up beside
+    the server (`BenchWorker`: the benchmark's own decode and clock), and the summary `_alternations`
+    returns: each served run is compared with the mean of the benchmark runs just before and after it
+    (some 10 s apart), so the VM's drift between minutes stays out of the ratio. Both sides warm up
+    first: one benchmark run and one served run are dropped (a fresh browser compiles the page's
+    scripts for seconds after its first page loads; a fresh server meets its first run)."""
     pairs = []
-    for _ in range(args.pairs):
-        bench = _bench(row, spec, args.precision, args.tokens)
-        live = served_run()["trace"]
-        pairs.append({"bench_ms_per_step": round(bench["ms_per_step"], 3), "live_ms_per_step": live["mean_ms"],
-                      "step_ratio": round(live["mean_ms"] / bench["ms_per_step"], 3),
-                      "token_ratio": round(live["ms_per_token"] / bench["ms_per_token"], 3),
-                      "bench_mix": bench["mix"], "live_mix": live["mix"]})
+    with BenchWorker(row["turns"][0], spec, args.precision, args.tokens) as bench:
+        served_run()
+        before = quiet_then(bench.run)
+        for _ in range(args.pairs):
+            live = quiet_then(served_run)["trace"]
+            after = quiet_then(bench.run)
+            bench_ms = (before["ms_per_step"] + after["ms_per_step"]) / 2
+            bench_ms_per_token = (before["ms_per_token"] + after["ms_per_token"]) / 2
+            pairs.append({"bench_ms_per_step": [before["ms_per_step"], after["ms_per_step"]],
+                          "live_ms_per_step": live["mean_ms"], "step_ratio": round(live["mean_ms"] / bench_ms, 3),
+                          "token_ratio": round(live["ms_per_token"] / bench_ms_per_token, 3),
+                          "bench_mix": after["mix"], "live_mix": live["mix"], "live_steps": live["steps"],
+                          "live_slow_at": live["slow_at"], "live_excess_ms": live["excess_ms"]})
+            before = after
     return {"spec": spec, "precision": args.precision, "client": args.client, "pairs": pairs,
             "median_step_ratio": statistics.median(p["step_ratio"] for p in pairs),
             "median_token_ratio": statistics.median(p["token_ratio"] for p in pairs)}
+
+
+def quiet_then(run: Callable[[], dict], busy_below: float = 0.1, window_s: float = 0.3,
+               timeout_s: float = 30.0) -> dict:
+    """`run()` once the machine is quiet: its CPUs busy less than `busy_below` of a `window_s` window
+    (at most `timeout_s` of waiting). After a page's run the server works on for a second or two (the
+    run's last views, its plain yardstick), and a benchmark run beside that measured 2-10x slow."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _busy_fraction(window_s) >= busy_below:
+        pass
+    return run()
+
+
+def _busy_fraction(window_s: float) -> float:
+    """The machine's CPUs' busy share over the next `window_s` seconds (/proc/stat; 0 where absent)."""
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        idle = values[3] + values[4]  # idle and iowait
+        return sum(values) - idle, sum(values)
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    busy0, total0 = ticks()
+    time.sleep(window_s)
+    busy1, total1 = ticks()
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+class BenchWorker:
+    """A benchmark process kept up for alternations: it loads the model and weights as `core.bench` does
+    and, for each `run()`, decodes the prompt with the strategy by the benchmark's own `run_one` (its
+    decode and its clock), answering the run's ms a step and a token. One warm-up run is dropped."""
+
+    def __init__(self, prompt: str, spec: str, precision: str, tokens: int) -> None:
+        self.command = [sys.executable, "-m", "offline.live_vs_bench", "--bench-worker", json.dumps(
+            {"prompt": prompt, "spec": spec, "precision": precision, "tokens": tokens})]
+
+    def __enter__(self) -> "BenchWorker":
+        self.process = subprocess.Popen(self.command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.run()
+        return self
+
+    def run(self) -> dict:
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the benchmark worker ended (exit code {self.process.wait()})")
+        return json.loads(line)
+
+    def __exit__(self, *exc) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def _bench_worker(job: dict) -> None:
+    """`--bench-worker`: the other end of `BenchWorker` (a run for each line on stdin, a JSON line out)."""
+    from core.model import ModelConfig, load_base_model
+    from offline.bench import Prompt, load_head_set, parse_strategy, run_one
+    from core.accept import AcceptConfig
+    from core.decoder import DecodeConfig
+
+    base = load_base_model(ModelConfig(dtype=job["precision"]))
+    heads, _ = load_head_set(base)
+    config = DecodeConfig(max_new_tokens=job["tokens"], accept=AcceptConfig(rule="greedy"))
+    strategy = parse_strategy(job["spec"], config)
+    prompt = Prompt(id="live-vs-bench", text=job["prompt"], category="")
+    for _ in sys.stdin:
+        row, _ = run_one(base, heads, prompt, job["spec"], strategy, job["tokens"])
+        steps_s = sum(row.phase_seconds.get(phase, 0.0) for phase in PHASES)
+        print(json.dumps({"ms_per_step": round(1000 * steps_s / row.steps, 3),
+                          "ms_per_token": round(1000 * steps_s / row.new_tokens, 3),
+                          "mix": _step_mix(row.step_nodes)}), flush=True)
 
 
 def _downloaded_steps(url: str) -> list[dict]:
@@ -213,11 +312,14 @@ def _trace_stats(steps: list[dict]) -> dict:
     first_tree = next((i for i, step in enumerate(steps) if step["times"]["verify"] and step["outcome"]["tree"]
                        .get("paths")), None)
     slow = [round(t, 1) for t in ms if t > SLOW_STEP * median]
-    return {"mean_ms": round(statistics.fmean(ms), 2), "median_ms": round(median, 2),
+    # where the slow steps fall: a browser's click and first redraw land on a run's first steps
+    slow_at = [i for i, t in enumerate(ms) if t > SLOW_STEP * median]
+    return {"steps": len(ms), "mean_ms": round(statistics.fmean(ms), 2), "median_ms": round(median, 2),
             "ms_per_token": round(sum(ms) / tokens, 3),
             "mix": _step_mix([len(step["outcome"]["tree"].get("paths", [])) for step in steps]),
             "first_tree_step_ms": round(ms[first_tree], 1) if first_tree is not None else None,
-            "slow_steps": len(slow), "slow_ms": slow}
+            "slow_steps": len(slow), "slow_ms": slow, "slow_at": slow_at,
+            "excess_ms": round(sum(t - median for t in ms if t > SLOW_STEP * median), 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,7 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=0,
                         help="this many alternations of a benchmark run and a served run, one server up "
                              "throughout (else one served run between two benchmarks)")
+    parser.add_argument("--bench-worker", default=None, help=argparse.SUPPRESS)  # BenchWorker's other end
     args = parser.parse_args(argv)
+    if args.bench_worker:
+        _bench_worker(json.loads(args.bench_worker))
+        return
     rows = [json.loads(line) for line in (REPO / "assets/data/mt_bench.jsonl").read_text().splitlines() if line.strip()]
     row = next(r for r in rows if str(r["question_id"]) == args.question)
     # a sized strategy at the page's budget; `auto` takes it as its ceiling (the grammar's default, 63)

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import json
 import re
+import threading
 import time
 import urllib.request
 from typing import Iterator
@@ -502,11 +503,12 @@ def test_the_queue_does_not_poll_every_millisecond():
     assert queue.progress_update_sleep_when_free >= app.PROGRESS_POLL_S
 
 
-def test_a_browser_on_this_machine_gets_a_moment_to_draw_after_each_redraw(monkeypatch):
+def test_a_browser_on_this_machine_is_waited_for_until_it_has_drawn_each_redraw(monkeypatch):
     """Issue 46: where the decoding takes every core, a browser on the same machine drew each Run-to-end
-    redraw inside the next step, and the step's clock charged it to decoding. The page leaves it the
-    cores for a moment after a redraw and counts that moment as the page's time, not decoding's; a
-    browser elsewhere and API clients are never paused."""
+    redraw inside the next steps, and the steps' clock charged it to decoding. The run waits until the
+    page says it has drawn the redraw (its number; an older number does not count; Stop ends the wait),
+    at most DRAW_WAIT_S, and counts the wait as the page's time; a browser elsewhere and API clients are
+    never waited for."""
     from types import SimpleNamespace
 
     def request(host: str, user: str | None = None) -> SimpleNamespace:
@@ -518,8 +520,46 @@ def test_a_browser_on_this_machine_gets_a_moment_to_draw_after_each_redraw(monke
     assert not app._browser_on_this_machine(request("10.0.0.7"))  # a classroom's laptops, a Space's visitors
     assert not app._browser_on_this_machine(request("127.0.0.1", user="api"))  # gradio_client draws nothing
     assert not app._browser_on_this_machine(None)
-    lab = SimpleNamespace(run=SimpleNamespace(page_seconds=[]))
-    monkeypatch.setattr(app, "REDRAW_YIELD_S", 0.01)
+    lab = labstate.LabState()
+    lab.run = SimpleNamespace(page_seconds=[], draws_awaited=[], mode="running")
+    monkeypatch.setattr(app, "DRAW_WAIT_S", 5.0)
+    number = lab.expect_drawing()
+    threading.Timer(0.05, lab.mark_drawn, args=(number - 1,)).start()  # an older redraw's word
+    threading.Timer(0.15, lab.mark_drawn, args=(number,)).start()
     started = time.perf_counter()
-    app._let_the_browser_draw(lab)
-    assert time.perf_counter() - started >= 0.01 and lab.run.page_seconds == [0.01]
+    app._wait_for_the_browser(lab)
+    waited = time.perf_counter() - started
+    assert 0.15 <= waited < 2.0 and lab.run.draws_awaited == [True]
+    assert lab.run.page_seconds == [pytest.approx(waited, abs=0.02)]
+
+    monkeypatch.setattr(app, "DRAW_WAIT_S", 0.05)  # a page that never says so: the run goes on after the wait
+    lab.expect_drawing()
+    app._wait_for_the_browser(lab)
+    assert lab.run.draws_awaited == [True, False] and lab.run.page_seconds[-1] >= 0.05
+
+    monkeypatch.setattr(app, "DRAW_WAIT_S", 5.0)  # Stop while waiting: the loop goes on at once, to stop
+    lab.expect_drawing()
+    threading.Timer(0.05, lab.stop).start()
+    started = time.perf_counter()
+    app._wait_for_the_browser(lab)
+    assert time.perf_counter() - started < 2.0
+
+
+
+def test_the_pages_word_that_it_drew_reaches_its_own_sessions_run_only():
+    """`on_drawn` (the page's hidden button) releases the wait of the clicking tab's run for the redraw
+    number it names; another tab's, an unknown or expired session's, or a missing number do nothing."""
+    from types import SimpleNamespace
+
+    key, other = f"drawn-{time.time_ns()}", f"drawn-other-{time.time_ns()}"
+    lab, other_lab = app.SESSIONS.open(key), app.SESSIONS.open(other)
+    try:
+        number, other_number = lab.expect_drawing(), other_lab.expect_drawing()
+        app.on_drawn(None, request=SimpleNamespace(session_hash=key))
+        app.on_drawn(float(number), request=SimpleNamespace(session_hash="never-seen"))
+        assert not lab.wait_drawn(0) and not other_lab.wait_drawn(0)
+        app.on_drawn(float(number), request=SimpleNamespace(session_hash=key))
+        assert lab.wait_drawn(0) and not other_lab.wait_drawn(0)
+    finally:
+        app.SESSIONS.drop(key)
+        app.SESSIONS.drop(other)
