@@ -395,3 +395,17 @@ def test_run_to_end_waits_for_this_machines_browser_to_draw_each_redraw(server, 
         assert meta["draws_awaited"] >= 1
     assert meta["draws_drawn_in_time"] == meta["draws_awaited"]
     assert meta["page_seconds"] < meta["draws_awaited"] * 0.5 + 5
+
+
+SQUEEZED_JS = """() => [...document.querySelectorAll('.controls > *')]
+    .filter(e => e.offsetParent !== null && e.scrollHeight > e.clientHeight + 2)
+    .map(e => `${e.id || e.className}: ${e.clientHeight} of ${e.scrollHeight} px`)"""
+
+
+def test_the_controls_column_squeezes_none_of_its_boxes(page):
+    """The sticky controls column is as tall as the window and scrolls itself; a box in it that scrolls its
+    own overflow (the gallery's accordion) was squeezed to 22 px, its title cut in half."""
+    assert page.evaluate(SQUEEZED_JS) == []
+    page.set_viewport_size({"width": 1280, "height": 720})
+    page.wait_for_timeout(300)
+    assert page.evaluate(SQUEEZED_JS) == []
