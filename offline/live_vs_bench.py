@@ -62,11 +62,17 @@ def _bench(prompt_row: dict, spec: str, precision: str, tokens: int) -> dict:
     rows = json.loads(out.read_text())["rows"]
     row = next(r for r in rows if r["strategy"] == spec)
     plain = next(r for r in rows if r["strategy"] == "ar")
-    # the decoding steps' own clock, as the page's card times them (the rows' seconds also hold the prefill)
-    steps_s, plain_s = _steps_seconds(row), _steps_seconds(plain)
-    return {"steps": row["steps"], "tokens": row["new_tokens"], "ms_per_step": 1000 * steps_s / row["steps"],
-            "ms_per_token": round(1000 * steps_s / row["new_tokens"], 3), "mix": _step_mix(row["step_nodes"]),
+    steps_s, plain_s = _steps_seconds(row["phase_seconds"]), _steps_seconds(plain["phase_seconds"])
+    return {**_run_timing(row["phase_seconds"], row["steps"], row["new_tokens"], row["step_nodes"]),
             "vs_plain": round(plain_s / plain["new_tokens"] * row["new_tokens"] / steps_s, 3)}
+
+
+def _run_timing(phase_seconds: dict[str, float], steps: int, tokens: int, step_nodes: list[int]) -> dict:
+    """A benchmark run's steps, tokens, ms a step and a token by the decoding steps' own clock (as the
+    page's card times them; a row's seconds also hold the prefill), and its step mix."""
+    steps_s = _steps_seconds(phase_seconds)
+    return {"steps": steps, "tokens": tokens, "ms_per_step": 1000 * steps_s / steps,
+            "ms_per_token": round(1000 * steps_s / tokens, 3), "mix": _step_mix(step_nodes)}
 
 
 def _step_mix(nodes: list[int]) -> dict[str, int]:
@@ -76,9 +82,9 @@ def _step_mix(nodes: list[int]) -> dict[str, int]:
     return {name: sum(low <= n <= high for n in nodes) for name, (low, high) in bins.items()}
 
 
-def _steps_seconds(row: dict) -> float:
+def _steps_seconds(phase_seconds: dict[str, float]) -> float:
     """A benchmark row's time in its decoding steps (`PhaseTimes.total`'s phases; no prefill)."""
-    return sum(row["phase_seconds"].get(phase, 0.0) for phase in PHASES)
+    return sum(phase_seconds.get(phase, 0.0) for phase in PHASES)
 
 
 def _live(prompt: str, args: argparse.Namespace) -> dict:
@@ -283,10 +289,7 @@ def _bench_worker(job: dict) -> None:
     prompt = Prompt(id="live-vs-bench", text=job["prompt"], category="")
     for _ in sys.stdin:
         row, _ = run_one(base, heads, prompt, job["spec"], strategy, job["tokens"])
-        steps_s = sum(row.phase_seconds.get(phase, 0.0) for phase in PHASES)
-        print(json.dumps({"ms_per_step": round(1000 * steps_s / row.steps, 3),
-                          "ms_per_token": round(1000 * steps_s / row.new_tokens, 3),
-                          "mix": _step_mix(row.step_nodes)}), flush=True)
+        print(json.dumps(_run_timing(row.phase_seconds, row.steps, row.new_tokens, row.step_nodes)), flush=True)
 
 
 def _downloaded_steps(url: str) -> list[dict]:
