@@ -171,6 +171,25 @@ def step_once(lab: LabState, prompt: str, settings: Settings, clicked_at: float 
     return changed
 
 
+class RedrawPacer:
+    """Says when a run's progress is due for a redraw: the first time it is asked, always (by
+    construction, not by the clock's value: a monotonic clock counts from boot, so a machine up for less
+    than `interval_s` must still draw the first step), then once `interval_s` has passed since the last."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self._drawn_at: float | None = None
+
+    def due(self) -> bool:
+        """True when a redraw should go out now (and counts it as drawn)."""
+        now = self.clock()
+        if self._drawn_at is not None and now - self._drawn_at < self.interval_s:
+            return False
+        self._drawn_at = now
+        return True
+
+
 def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[], bool],
                clicked_at: float | None = None, burst_s: float = 0.0) -> Iterator[str]:
     """Step to the end, yielding the status message after every step (the caller redraws), or, with

@@ -540,3 +540,16 @@ def test_run_to_end_in_bursts_shows_the_first_step_then_steps_back_to_back(tiny_
     session.step = step_then_stop_at_the_third
     list(labstate.run_to_end(lab, PROMPT, settings, alive=lambda: True, burst_s=3600.0))
     assert len(session.records) == 3 and not session.finished and lab.run.mode == labstate.STOPPED
+
+
+def test_the_run_pacer_draws_the_first_progress_whatever_the_clock_reads():
+    """Issue 70: the first redraw is due by construction; on a clock that starts at 0 (a machine booted a
+    moment ago) a zero start would have held it back for a whole interval."""
+    now = [0.0]
+    pacer = labstate.RedrawPacer(3600.0, clock=lambda: now[0])
+    assert pacer.due()  # the first step's progress, at clock 0
+    now[0] = 3599.0
+    assert not pacer.due()
+    now[0] = 3600.0
+    assert pacer.due() and not pacer.due()
+    assert labstate.RedrawPacer(0.0, clock=lambda: 0.0).due()
