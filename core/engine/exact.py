@@ -244,7 +244,8 @@ class ExactLlama(OnLeanForward):
         """One line for the page and the benchmark: the mode and what its products read."""
         read = f"{self.weight_bytes / 1e6:.0f} MB of weights a step"
         fallback = f"; fp32 for {len(self.quantized_fallbacks)} weights" if self.quantized_fallbacks else ""
-        return f"exact kernels ({self.kernels.ISA}), {self.mode}: {read}{fallback}"
+        int8 = f", 8-bit products {self.kernels.int8_path().removeprefix('auto: ')}" if self.mode == "gguf-q8" else ""
+        return f"exact kernels ({self.kernels.ISA}{int8}), {self.mode}: {read}{fallback}"
 
 
 def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator: torch.Generator,
