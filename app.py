@@ -23,7 +23,9 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: n
 import argparse
 import concurrent.futures
 import functools
+import ipaddress
 import logging
+import pickle
 import tempfile
 import threading
 import time
@@ -47,7 +49,8 @@ CONCURRENCY = int(os.environ.get("MEDUSA_LAB_CONCURRENCY", "2"))
 MAX_SESSIONS = int(os.environ.get("MEDUSA_LAB_MAX_SESSIONS", "32"))
 QUEUE_SIZE = int(os.environ.get("MEDUSA_LAB_QUEUE_SIZE", "64"))
 SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS,
-                                    idle_seconds=float(os.environ.get("MEDUSA_LAB_SESSION_IDLE_S", "1200")))
+                                    idle_seconds=float(os.environ.get("MEDUSA_LAB_SESSION_IDLE_S", "1200")),
+                                    per_client=int(os.environ.get("MEDUSA_LAB_SESSIONS_PER_CLIENT", "8")))
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
 # Run to end redraws the page at most this often, and only the run's progress (`viz.view.Progress`: status,
@@ -117,6 +120,26 @@ def _session_key(request: gr.Request | None) -> str:
     return key if isinstance(key, str) and key else f"anonymous-{uuid.uuid4().hex}"
 
 
+def _client_address(request: gr.Request | None) -> str:
+    """Who is asking, for the per-client session cap: behind a proxy (a Space; the peer is a loopback or
+    private address) the forwarded address it names, else the peer's; "" for this machine's own browser
+    or client (no cap: a lab on a laptop)."""
+    host = str(getattr(getattr(request, "client", None), "host", "") or "")
+    headers = getattr(request, "headers", None) or {}
+    forwarded = str(headers.get("x-forwarded-for", "") or "").split(",")[0].strip()
+    if forwarded and _is_proxy(host):
+        return forwarded[:64]
+    return "" if host in ("127.0.0.1", "::1", "localhost", "") else host[:64]
+
+
+def _is_proxy(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    return address.is_loopback or address.is_private
+
+
 def _from_api(request: gr.Request | None) -> bool:
     """True for gradio_client (it sends `x-gradio-user: api`) and plain-HTTP `/call/` requests, False for the page."""
     if request is None:
@@ -173,7 +196,9 @@ def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable)
         prompt, settings, note = _settings(values)
         labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)  # says what it does
         key = _session_key(request)
-        lab = labstate.decoding_state(SESSIONS, key) if act is not labstate.start_fresh else SESSIONS.open(key)
+        client = _client_address(request)
+        lab = (labstate.decoding_state(SESSIONS, key, client) if act is not labstate.start_fresh
+               else SESSIONS.open(key, client))
         with lab.working():
             return render(lab, message=" ".join(m for m in (note, act(lab, prompt, settings)) if m))
     return _guarded(request, action)
@@ -188,7 +213,9 @@ def on_start(values: dict[str, Any], request: gr.Request | None) -> tuple:
 @settings_event(D, "clicked_at")
 def on_step(values: dict[str, Any], request: gr.Request | None, clicked_at: float | None) -> tuple:
     """One decoding step (starting a run first when there is none). A step clicked before Stop is dropped."""
-    return _decoding(request, values, functools.partial(labstate.step_once, clicked_at=clicked_at))
+    def step(lab: labstate.LabState, prompt: str, settings: labstate.Settings) -> str:
+        return labstate.step_once(lab, prompt, settings, clicked_at=labstate.parse_clicked_at(clicked_at))
+    return _decoding(request, values, step)
 
 
 @settings_event(D, "clicked_at")
@@ -197,8 +224,9 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
     key = _session_key(request)
     try:
         prompt, settings, note = _settings(values)
+        clicked_at = labstate.parse_clicked_at(clicked_at)
         labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)
-        lab = labstate.decoding_state(SESSIONS, key)
+        lab = labstate.decoding_state(SESSIONS, key, _client_address(request))
         local_browser = _browser_on_this_machine(request) and labstate.decoding_takes_every_core()
         with lab.working():
             pacer, latest = labstate.RedrawPacer(RUN_REDRAW_S, clock=REDRAW_CLOCK), note
@@ -310,7 +338,7 @@ def on_stop(clicked_at: float | None = None, request: gr.Request = None) -> tupl
     at the Stop click), then draw the run as it really stands."""
     def stop() -> tuple:
         lab = SESSIONS.get(_session_key(request))
-        return render(lab, message=labstate.stop(lab, clicked_at))
+        return render(lab, message=labstate.stop(lab, labstate.parse_clicked_at(clicked_at)))
     return _guarded(request, stop)
 
 
@@ -343,9 +371,17 @@ def _clear_trace() -> None:
     """A new or reset run has no trace yet (the Export box drops the previous run's file)."""
 
 
-@functools.lru_cache(maxsize=512)  # a recorded step always draws the same: Back and revisits are instant
+# a recorded step always draws the same: Back and revisits are instant. Bounded in bytes too (each view's
+# pickled size: ~85 KB for a 64-node step, a few MB for a maximal upload's), so uploads cannot fill memory.
+RECORDED_VIEWS = replay.BoundedCache(capacity=512, max_bytes=128_000_000)
+
+
 def _recorded_view(state: replay.Replay, message: str) -> View:
-    return build_view(replay.replay_facts(state), state.shown - 1 if state.shown else None, message)
+    view = RECORDED_VIEWS.get((state, message))
+    if view is None:
+        view = build_view(replay.replay_facts(state), state.shown - 1 if state.shown else None, message)
+        RECORDED_VIEWS.put((state, message), view, len(pickle.dumps(view)))
+    return view
 
 
 def _replay_view(state: replay.Replay, message: str = "") -> tuple:
@@ -373,7 +409,13 @@ def _look_ahead(state: replay.Replay) -> None:
 def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> tuple:
     try:
         return action()
-    except labstate.LabInputError as error:  # a bad upload, the end of a recording: the page keeps its view
+    except Exception as error:  # noqa: BLE001  a bad upload, the end of a recording: the page keeps its view
+        if not isinstance(error, labstate.LabInputError):  # a trace that loaded but cannot be drawn
+            logging.getLogger(__name__).exception("drawing a recorded run failed")
+            error = labstate.LabInputError("This trace is damaged: a step of it cannot be drawn "
+                                           f"({type(error).__name__}). Pick a gallery run or upload another.")
+            if state is not None and state.source.startswith("upload:"):
+                state = None  # its steps cannot be drawn either
         gr.Warning(str(error).replace("**", ""))
         if state is not None:
             return (state, *_replay_view(state, f"⚠️ {error}")[1:])

@@ -26,7 +26,7 @@ _HOMES = {
     "settings": ("AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "PRECISIONS", "RIVAL_CHOICES", "SETTING_NAMES",
                  "STORE_STRATEGY",
                  "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "load_named_trees", "machine_precision",
-                 "parse_custom_tree", "parse_settings", "parse_step_index"),
+                 "parse_clicked_at", "parse_custom_tree", "parse_settings", "parse_step_index"),
     "shared": ("_PROFILES", "Runtime", "cost_profile", "header_line", "measure_forward_seconds", "runtime",
                "warm_up"),
     "modes": ("PAUSED", "READY", "RUNNING", "STOPPED"),

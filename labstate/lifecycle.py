@@ -257,10 +257,11 @@ def require_run(lab: LabState | None) -> Run:
     return lab.run
 
 
-def decoding_state(sessions: SessionRegistry, key: str) -> LabState:
-    """The session's state for Step and Run: created when new, SessionExpired when it was dropped."""
+def decoding_state(sessions: SessionRegistry, key: str, client: str = "") -> LabState:
+    """The session's state for Step and Run: created when new (for `client`), SessionExpired when it was
+    dropped."""
     lab = sessions.get(key)
-    return lab if lab is not None else sessions.open(key)
+    return lab if lab is not None else sessions.open(key, client)
 
 
 def facts_of(lab: LabState, run: Run) -> RunFacts:

@@ -10,11 +10,9 @@ from typing import TYPE_CHECKING
 
 from core.decoder import DecodeConfig, PageViews, decode
 from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
-from core.budget.cost_profile import CostProfile
 from core.strategy import AUTOREGRESSIVE
 from core.tensor_thread import run_on_tensor_thread
 from labstate.limits import MAX_REFERENCES
-from labstate.shared import _PROFILES
 from viz.facts import ArBaseline
 
 if TYPE_CHECKING:
@@ -50,7 +48,7 @@ class PlainComparison:
     ratio: float | None  # run tokens/s over plain tokens/s; None before the first step
     measured: bool  # True: a plain run of this prompt was timed; False: estimated
     basis: str  # where the plain figure comes from, in words
-    why: str  # the verify cost of the trees against one token, from the profile
+    why: str  # the ratio's own arithmetic, in words (`_why`)
 
 
 def _divergence(ours: list[int], plain: list[int]) -> int | None:
@@ -135,24 +133,43 @@ def ar_baseline(lab: LabState, run: Run) -> ArBaseline:
     return ArBaseline(seconds_per_token=lab.forward_seconds.get(run.settings.precision))
 
 
-def _profile(run: Run) -> CostProfile | None:
-    return _PROFILES.get(run.runtime.base.config.dtype)
+def verdict(ratio: float) -> str:
+    """wins / loses / ties for a ratio to plain decoding (within 5 %: a run's noise, no verdict)."""
+    return "wins" if ratio >= 1.05 else "loses" if ratio < 0.95 else "ties"
 
 
-def _why(run: Run, profile: CostProfile | None, winning: bool) -> str:
-    """The verify cost of this run's trees against one token, and the tokens a step yields."""
+def _why(run: Run, ratio: float, plain_seconds: float) -> str:
+    """The ratio's own arithmetic, every term measured in this run: tokens a step times plain decoding's
+    time for one token, over the step's whole time (drafting, verify, accept and commit, averaged over
+    every step, its plain ones included). The page's own time is not decoding time: shown apart."""
     records = run.session.records
-    if profile is None or not records:
+    steps = len(records)
+    if not steps:
         return ""
-    tokens = sum(r.outcome.tree.num_nodes + 1 for r in records) / len(records)
-    per_step = run.session.tokens_per_step
-    one, tree = profile.cost(1), profile.cost(round(tokens))
-    cost = f"a verify of {tokens:.0f} tokens costs {tree:.0f} ms against {one:.0f} ms for one token ({tree / one:.1f}×)"
-    if winning:
-        return f"wins: {cost}, and a step yields {per_step:.2f} tokens"
-    advice = ("the auto budget shrinks trees that do not pay, so this should improve as it learns" if
-              run.settings.auto_budget else "try “dynamic (auto) + prompt lookup” or a smaller budget")
-    return f"loses: {cost}, but a step yields only {per_step:.2f} tokens; {advice}"
+    emitted = max(len(run.session.output_ids) - 1, 0)
+    tokens, plain_ms = emitted / steps, 1000 * plain_seconds
+
+    def mean_ms(*phases: str) -> float:
+        return 1000 * sum(getattr(r.times, phase) for r in records for phase in phases) / steps
+
+    step_ms = mean_ms("heads", "tree", "verify", "accept", "commit")
+    plain_steps = sum(1 for r in records if _plain_step(r))
+    state = verdict(ratio)
+    def ms(value: float) -> str:  # three figures: the products below come out as shown
+        return f"{value:.3g}"
+
+    sentence = (f"{state}: a step yields {tokens:.2f} tokens in {ms(step_ms)} ms (drafting "
+                f"{ms(mean_ms('heads', 'tree'))} + verify {ms(mean_ms('verify'))} + accept and commit "
+                f"{ms(mean_ms('accept', 'commit'))}, over its {steps} steps, {plain_steps} of them plain) where plain "
+                f"decoding takes {ms(plain_ms)} ms a token: {tokens:.2f} × {ms(plain_ms)} / {ms(step_ms)} = "
+                f"{ratio:.2f}×")
+    if state != "loses":
+        return sentence
+    if not run.settings.auto_budget:
+        return f"{sentence}; try “dynamic (auto) + prompt lookup” or a smaller budget"
+    if not run.session.finished:
+        return f"{sentence}; the auto budget keeps trees small until they measure faster"
+    return sentence
 
 
 def speed_vs_plain(lab: LabState, run: Run) -> PlainComparison:
@@ -179,4 +196,4 @@ def speed_vs_plain(lab: LabState, run: Run) -> PlainComparison:
     if not records or seconds <= 0:
         return PlainComparison(None, True, basis, "")
     ratio = (emitted / seconds) / plain_rate
-    return PlainComparison(ratio, True, basis, _why(run, _profile(run), ratio >= 1.0))
+    return PlainComparison(ratio, True, basis, _why(run, ratio, 1.0 / plain_rate))

@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from labstate.errors import LabInputError, LabNotice
 from viz.facts import RunFacts, RunStats
@@ -23,7 +24,8 @@ from viz.trace import Trace, TraceError, load_trace
 
 GALLERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "gallery"
 GALLERY_INDEX = GALLERY_DIR / "index.json"
-MAX_UPLOADS = 64  # uploaded traces kept in memory (least recently used dropped first)
+MAX_UPLOADS = 64  # uploaded traces kept in memory (least recently used dropped first)...
+MAX_UPLOAD_BYTES = 64_000_000  # ...and at most this many bytes of their JSON (a loaded trace holds ~3-4x)
 
 
 @dataclass(frozen=True)
@@ -66,30 +68,46 @@ def _gallery_trace(name: str) -> Trace:
     return dataclasses.replace(trace, facts=dataclasses.replace(trace.facts, recording=entry.title))
 
 
-class _Uploads:
-    """Uploaded traces by content hash, bounded; shared read-only objects (a trace never changes)."""
+class BoundedCache:
+    """Values by key, least recently used dropped first once more than `capacity` values or `max_bytes`
+    bytes (each value's size said when it is put) are held; thread-safe. Shared read-only values."""
 
-    def __init__(self, capacity: int) -> None:
-        self._traces: OrderedDict[str, Trace] = OrderedDict()
-        self._capacity = capacity
+    def __init__(self, capacity: int, max_bytes: int) -> None:
+        self._values: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self.capacity, self.max_bytes, self.bytes = capacity, max_bytes, 0
+        self.hits = 0  # gets that found their value
         self._lock = threading.Lock()
 
-    def add(self, key: str, trace: Trace) -> None:
+    def __len__(self) -> int:
         with self._lock:
-            self._traces[key] = trace
-            self._traces.move_to_end(key)
-            while len(self._traces) > self._capacity:
-                self._traces.popitem(last=False)
+            return len(self._values)
 
-    def get(self, key: str) -> Trace | None:
+    def put(self, key: Any, value: Any, size: int) -> None:
         with self._lock:
-            trace = self._traces.get(key)
-            if trace is not None:
-                self._traces.move_to_end(key)
-            return trace
+            old = self._values.pop(key, None)
+            self.bytes -= old[1] if old else 0
+            self._values[key] = (value, size)
+            self.bytes += size
+            while len(self._values) > 1 and (len(self._values) > self.capacity or self.bytes > self.max_bytes):
+                _, (_, dropped) = self._values.popitem(last=False)
+                self.bytes -= dropped
+
+    def get(self, key: Any) -> Any | None:
+        with self._lock:
+            held = self._values.get(key)
+            if held is None:
+                return None
+            self.hits += 1
+            self._values.move_to_end(key)
+            return held[0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self.bytes = 0
 
 
-UPLOADS = _Uploads(MAX_UPLOADS)
+UPLOADS = BoundedCache(MAX_UPLOADS, MAX_UPLOAD_BYTES)
 
 
 def open_gallery(name: str) -> Replay:
@@ -110,11 +128,11 @@ def opening_message(replay: Replay) -> str:
 def open_upload(raw: bytes | str) -> Replay:
     """An uploaded trace (the Export button's JSON); LabInputError saying why when it cannot be replayed."""
     try:
-        trace = load_trace(raw)
+        trace = load_trace(raw, untrusted=True)
     except TraceError as error:
         raise LabInputError(str(error)) from None
     key = hashlib.sha1(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    UPLOADS.add(key, trace)
+    UPLOADS.put(key, trace, len(raw))
     return Replay(source=f"upload:{key}")
 
 

@@ -26,6 +26,7 @@ class LabState:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     epoch: int = 0  # bumped by Start, Stop, Reset and eviction: a running loop stops when it changes
     last_used: float = 0.0  # SessionRegistry clock
+    client: str = ""  # who opened it (an address; "" when unknown): a client's flood evicts only its own
     active: int = 0  # handlers working on this state now (never evicted while > 0 unless idle-expired)
     stop_clicked_at: float | None = None  # the page's clock (ms) at the last Stop click: older clicks are dropped
     awaited_draw: int = 0  # the number of the last redraw a Run asked the page to say it has drawn (0: none)
@@ -107,19 +108,25 @@ class LabState:
 
 
 class SessionRegistry:
-    """Per-session LabStates keyed by Gradio's session hash, with a cap and idle expiry.
+    """Per-session LabStates keyed by Gradio's session hash, with caps and idle expiry.
 
-    At most `max_sessions` live states; a state unused for `idle_seconds` is dropped. When a new
-    session arrives and the registry is full, the least recently used state that is not working
-    right now is evicted (idle sessions go first). Evicted keys are remembered (bounded) so that
-    their owner is told the session expired instead of silently getting a fresh one. Thread-safe.
+    At most `max_sessions` live states, and at most `per_client` of one known client's (client "" is
+    unknown: the server's own machine, no cap of its own); a state unused for `idle_seconds` is dropped. Room for a new session is made by evicting a state that is not working
+    right now: first the opening client's own least recently used one (a client at its cap always
+    churns its own), then another client's, but only one unused for `protect_seconds`: a flood of new
+    sessions never takes a session someone used recently; when nothing may go, the new one is refused
+    with a "busy" message. Evicted keys are remembered (bounded) so that their owner is told the session
+    expired instead of silently getting a fresh one. Thread-safe.
     """
 
     def __init__(self, max_sessions: int = 32, idle_seconds: float = 1200.0,
-                 clock: Callable[[], float] = time.monotonic, remember_evicted: int = 4096) -> None:
+                 clock: Callable[[], float] = time.monotonic, remember_evicted: int = 4096,
+                 per_client: int | None = None, protect_seconds: float = 600.0) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.max_sessions = max_sessions
+        self.per_client = max(1, per_client if per_client is not None else max_sessions)
+        self.protect_seconds = protect_seconds
         self.idle_seconds = idle_seconds
         self.clock = clock
         self._labs: OrderedDict[str, LabState] = OrderedDict()  # least recently used first
@@ -155,15 +162,19 @@ class SessionRegistry:
                                  f"again.")
         return None
 
-    def open(self, key: str) -> LabState:
-        """The session's state, created when missing (forgetting an expiry). LabInputError when full and busy."""
+    def open(self, key: str, client: str = "") -> LabState:
+        """The session's state, created when missing (forgetting an expiry) for `client` (its address).
+        LabInputError when no session may make room (see the class)."""
         with self._lock:
             self._sweep()
             lab = self._labs.get(key)
             if lab is None:
-                if len(self._labs) >= self.max_sessions:
-                    self._make_room()
-                lab = LabState()
+                own = [k for k, v in self._labs.items() if v.client == client]
+                if client and len(own) >= self.per_client:
+                    self._make_room(client, own_only=True)
+                elif len(self._labs) >= self.max_sessions:
+                    self._make_room(client, own_only=False)
+                lab = LabState(client=client)
                 self._labs[key] = lab
                 self._evicted.pop(key, None)
             self._touch(key, lab)
@@ -196,12 +207,28 @@ class SessionRegistry:
                     "remembered_expired": len(self._evicted)}
 
     # -- internals (self._lock held) --
-    def _make_room(self) -> None:
-        victim = next((k for k, v in self._labs.items() if v.active == 0 and not v.lock.locked()), None)
-        if victim is None:
+    def _make_room(self, client: str, own_only: bool) -> None:
+        idle = [(k, v) for k, v in self._labs.items() if v.active == 0 and not v.lock.locked()]  # LRU first
+        own = next((k for k, v in idle if v.client == client), None)
+        if own is not None:
+            why = (f"your address had {self.per_client} sessions open and this was its least recently used"
+                   if own_only else f"{self.max_sessions} sessions were open and yours was the least recently used")
+            self._evict(own, why)
+            return
+        if own_only:
+            raise LabInputError(f"Your address has {self.per_client} sessions working right now, the most one "
+                                f"address may have. Close a tab or wait for a run to end.")
+        now = self.clock()
+        other = next((k for k, v in idle if now - v.last_used >= self.protect_seconds), None)
+        if other is not None:
+            self._evict(other, f"{self.max_sessions} sessions were open and yours had been unused for more "
+                               f"than {self.protect_seconds / 60:g} min")
+            return
+        if not idle:
             raise LabInputError(f"The lab is full: {len(self._labs)} sessions are busy right now. "
                                 f"Try again in a minute.")
-        self._evict(victim, f"{self.max_sessions} sessions were open and yours was the least recently used")
+        raise LabInputError(f"The lab is busy: all {len(self._labs)} sessions were used in the last "
+                            f"{self.protect_seconds / 60:g} min. Try again in a few minutes.")
 
     def _touch(self, key: str, lab: LabState) -> None:
         lab.last_used = self.clock()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -305,6 +306,16 @@ def parse_custom_tree(text: object) -> tuple[tuple[int, ...], ...]:
     except ValueError as error:
         raise LabInputError(f"custom tree: {error}") from None
     return tuple(tree.paths)
+
+
+def parse_clicked_at(value: object) -> float | None:
+    """The page's clock at a click (ms), or None when the client sent none; LabInputError for anything
+    but a finite number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LabInputError(f"clicked_at must be the page's clock in milliseconds (a number), got {value!r:.40}")
+    return float(value)
 
 
 def parse_step_index(value: object) -> int:

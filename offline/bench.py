@@ -38,8 +38,8 @@ from core.families import FAMILIES, MEDUSA, family
 from core.strategy import HYDRA, LLAMACPP, LOOKUP_TOKENS, PEERS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name
-from core.model import (GGUF_PACKAGE_PIN, BaseModel, ModelConfig, fast_bf16, fast_bf16_batched, gguf_location,
-                        load_base_model, precision_choice)
+from core.model import (GGUF_PACKAGE_PIN, BaseModel, ModelConfig, default_precision, fast_bf16, fast_bf16_batched,
+                        gguf_location, load_base_model, precision_choice)
 from core.sampling import SamplingConfig
 from offline.llamacpp import LlamaCppPeer
 
@@ -328,7 +328,8 @@ def main() -> None:
                         help="instead of running: merge these result files (same config, other prompts) into --out")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "gguf", "gguf-q8", "fp16"])
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "gguf", "gguf-q8", "fp16"],
+                        help="precision (default: the one the page picks on this machine)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rule", default="typical", help="acceptance rule when temperature > 0")
     parser.add_argument("--seed", type=int, default=0)
@@ -351,6 +352,8 @@ def main() -> None:
     if args.prompts is None:
         parser.error("--prompts is required (unless --merge)")
     torch.manual_seed(args.seed)
+    if args.dtype is None:  # what a visitor's page runs here, so the benchmark measures what the page shows
+        args.dtype = default_precision()
     model_config = ModelConfig(dtype=args.dtype, device=args.device)
     if args.model is not None:
         model_config = replace(model_config, name=args.model)

@@ -376,6 +376,31 @@ def test_the_speed_card_says_measuring_until_plain_decoding_is_timed_then_compar
     assert speed.ratio == pytest.approx(expected)
 
 
+def test_the_speed_sentence_is_the_ratios_own_arithmetic_and_says_nothing_of_learning_once_finished(tiny_runtime):
+    """Issue 69: the card's why is the arithmetic that gives its ratio (tokens a step times plain decoding's
+    ms a token over the step's whole ms, drafting included), with the same numbers, and a finished run is
+    not told that it "should improve as it learns"."""
+    import re
+
+    from labstate.plain import compute_check, speed_vs_plain
+    auto = labstate.parse_settings({**SETTINGS, "strategy": "dynamic:auto", "max_new_tokens": 24})
+    lab = labstate.LabState()
+    while lab.run is None or not lab.run.session.finished:
+        labstate.step_once(lab, PROMPT, auto)
+    compute_check(lab, lab.run)
+    speed = speed_vs_plain(lab, lab.run)
+    found = re.search(r"^(wins|loses|ties): a step yields ([\d.]+) tokens in ([\d.]+) ms \(drafting ([\d.]+) \+ verify "
+                      r"([\d.]+) \+ accept and commit ([\d.]+), over its (\d+) steps, (\d+) of them plain\) where plain "
+                      r"decoding takes ([\d.]+) ms a token: \2 × \9 / \3 = ([\d.]+)×", speed.why)
+    assert found, speed.why
+    tokens, step_ms, draft, verify, rest, plain_ms, ratio = (float(found.group(i)) for i in (2, 3, 4, 5, 6, 9, 10))
+    assert ratio == pytest.approx(speed.ratio, abs=0.006)
+    assert tokens * plain_ms / step_ms == pytest.approx(speed.ratio, rel=0.05)  # the shown numbers add up
+    assert draft + verify + rest == pytest.approx(step_ms, rel=0.02)
+    assert int(found.group(7)) == len(lab.run.session.records)
+    assert "learn" not in speed.why and "keeps trees small" not in speed.why
+
+
 def test_a_run_with_enough_plain_steps_of_its_own_compares_with_them_before_the_plain_run(tiny_runtime):
     """Its own plain steps were timed under the same load as its tree steps (a browser drawing on the
     same cores, the page streaming); the plain run of the prompt is timed later, alone. From

@@ -170,6 +170,19 @@ MALFORMED = [
     (_broken(lambda d: d["facts"]["stats"].update(tokens_per_s="x")), r"damaged.*expected a number"),
     (_broken(lambda d: d["facts"]["stats"].update(status=3)), r"damaged.*stats.status: expected a text"),
     (_broken(lambda d: d["facts"].update(settings={"budget": [1, 2]})), r"damaged.*settings"),
+    # issue 71: values that loaded but crashed drawing, or kept memory, are a damaged trace now
+    (_broken(lambda d: d["facts"]["settings"].update(temperature="hot")), r"damaged.*expected a number"),
+    (_broken(lambda d: d["facts"]["settings"].update(depth="abc")), r"damaged.*expected a number"),
+    (_broken(lambda d: d["steps"][0]["outcome"]["tree"].update(kind="bogus")), r"damaged.*unknown tree kind"),
+    (_broken(lambda d: d["steps"][0].update(head_probs=[[-0.5] * len(r) for r in d["steps"][0]["head_probs"]])),
+     r"damaged.*probability must be between 0 and 1"),
+    (_broken(lambda d: d["steps"][0].update(head_token_ids=[list(range(100_000))] * 4,
+                                            head_probs=[[0.0] * 100_000] * 4)), r"damaged.*at most 64"),
+    (_broken(lambda d: d["facts"].update(ar={"step_seconds": [0, 0]})), r"damaged.*seconds must be between"),
+    (_broken(lambda d: d["facts"].update(output_ids=[2 ** 70])), r"damaged.*whole number from 0"),
+    (_broken(lambda d: d["facts"]["stats"].update(tokens=2 ** 70)), r"damaged.*stats.tokens"),
+    (_broken(lambda d: d["facts"]["stats"].update(tokens_per_s=1e400)), r"damaged"),
+    (_broken(lambda d: d["steps"][0]["times"].update(verify=-1)), r"damaged.*verify seconds"),
 ]
 
 
@@ -209,11 +222,12 @@ def test_a_replayed_step_draws_the_next_one_ahead():
     for shown in (1, 2):
         state = app.on_replay_step(state)[0]
         app.LOOK_AHEAD.submit(lambda: None).result()  # one worker: the look-ahead before it has finished
-        assert app._recorded_view.cache_info().currsize > 0
-        hits = app._recorded_view.cache_info().hits
+        assert len(app.RECORDED_VIEWS) > 0
+        hits = app.RECORDED_VIEWS.hits
         ahead = app._recorded_view(replay.moved(state, shown + 1), "")
-        assert app._recorded_view.cache_info().hits == hits + 1  # already drawn: Step finds it cached
-        assert ahead.status == app._recorded_view.__wrapped__(replay.moved(state, shown + 1), "").status
+        assert app.RECORDED_VIEWS.hits == hits + 1  # already drawn: Step finds it cached
+        ahead_state = replay.moved(state, shown + 1)
+        assert ahead.status == build_view(replay.replay_facts(ahead_state), ahead_state.shown - 1, "").status
 
 
 def test_revisit_appears_with_a_second_step_and_revisits_what_the_page_shows():

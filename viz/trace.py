@@ -24,12 +24,15 @@ record types and checks what drawing relies on: a malformed trace is a `TraceErr
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import math
+import re
 from typing import Any, Mapping
 
+from core.families import FAMILIES
 from core.records import PhaseTimes, StepRecord, TreeOutcome
-from core.strategy import StrategyError, parse_strategy
+from core.strategy import MAX_DEPTH, MAX_TOP_M, MAX_TREE_ROWS, StrategyError, parse_strategy
 from core.tree import CandidateTree
 from viz.facts import ArBaseline, RunFacts, RunStats
 
@@ -37,6 +40,11 @@ TRACE_VERSION = 2
 TRACE_KIND = "medusa-tree-lab-trace"
 MAX_TRACE_BYTES = 8_000_000  # a 1024-token run with 256-node trees is about 3 MB
 MAX_TRACE_STEPS = 1100
+# what the live page can draw, so what a trace may hold (its arrays are checked against these)
+MAX_TREE_NODES = MAX_TREE_ROWS - 1
+MAX_TOKEN_ID = 2**31 - 1
+TREE_KINDS = frozenset(FAMILIES) | {"fixed", "dynamic"}
+NUMERIC_SETTINGS = ("budget", "top_m", "depth", "temperature", "max_new_tokens")
 
 
 class TraceError(ValueError):
@@ -123,10 +131,24 @@ def _float(value: Any) -> float:
     return float(value)
 
 
-def _ints(value: Any) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        raise TypeError("expected a list of whole numbers")
-    return list(value)
+def _between(value: Any, low: float, high: float, what: str) -> float:
+    """A finite number in [low, high] (None stands for a missing one: NaN, drawn as such)."""
+    number = _float(value)
+    if value is not None and not low <= number <= high:
+        raise ValueError(f"{what} must be between {low:g} and {high:g}, got {number:g}")
+    return number
+
+
+def _int(value: Any, what: str = "a whole number", low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_TOKEN_ID:
+        raise ValueError(f"{what} must be a whole number from {low} to {MAX_TOKEN_ID}, got {str(value)[:24]}")
+    return value
+
+
+def _ints(value: Any, limit: int | None = None, low: int = 0) -> list[int]:
+    if not isinstance(value, list) or (limit is not None and len(value) > limit):
+        raise TypeError("expected a list of whole numbers" + (f" (at most {limit})" if limit is not None else ""))
+    return [_int(v, low=low) for v in value]
 
 
 def _strs(value: Any) -> list[str]:
@@ -137,17 +159,22 @@ def _strs(value: Any) -> list[str]:
 
 def _outcome(data: dict) -> TreeOutcome:
     tree_data = data["tree"]
-    paths = [tuple(_ints(p)) for p in tree_data["paths"]]
+    if not isinstance(tree_data["paths"], list) or len(tree_data["paths"]) > MAX_TREE_NODES:
+        raise ValueError(f"a tree holds at most {MAX_TREE_NODES} nodes")
+    paths = [tuple(_ints(p, MAX_TREE_NODES)) for p in tree_data["paths"]]
     scores = None if tree_data.get("scores") is None else [_float(s) for s in tree_data["scores"]]
-    tree = CandidateTree(paths=paths, scores=scores, kind=str(tree_data.get("kind", "fixed")))
+    kind = tree_data.get("kind", "fixed")
+    if kind not in TREE_KINDS:
+        raise ValueError(f"unknown tree kind {str(kind)[:24]!r}")
+    tree = CandidateTree(paths=paths, scores=scores, kind=kind)
     outcome = TreeOutcome(
         tree=tree, node_tokens=_ints(data["node_tokens"]), node_scores=[_float(s) for s in data["node_scores"]],
-        accepted_nodes=_ints(data["accepted_nodes"]), bonus_token=int(data["bonus_token"]),
+        accepted_nodes=_ints(data["accepted_nodes"]), bonus_token=_int(data["bonus_token"], "a bonus token"),
         node_texts=_strs(data.get("node_texts", [])), bonus_text=str(data.get("bonus_text", "")),
-        lookup_rank=None if data.get("lookup_rank") is None else int(data["lookup_rank"]),
+        lookup_rank=None if data.get("lookup_rank") is None else _int(data["lookup_rank"], "a lookup rank"),
         chain_sources=tuple(_strs(data.get("chain_sources", []))),
         head_scores=[None if s is None else _float(s) for s in data.get("head_scores", [])],
-        base_top_tokens=_ints(data.get("base_top_tokens", [])))
+        base_top_tokens=_ints(data.get("base_top_tokens", []), MAX_TREE_ROWS, low=-1))  # -1: not known
     size = tree.num_nodes + 1
     if len(outcome.node_tokens) != size or len(outcome.node_scores) != size:
         raise ValueError(f"a tree of {tree.num_nodes} nodes needs {size} node tokens and scores")
@@ -161,15 +188,19 @@ def _outcome(data: dict) -> TreeOutcome:
 
 
 def _step(data: dict, number: int) -> StepRecord:
-    times = {name: _float(data["times"].get(name, 0.0)) for name in ("heads", "tree", "verify", "accept", "commit",
-                                                                      "compare")}
-    heads = [_ints(row) for row in data.get("head_token_ids", [])]
-    probs = [[_float(p) for p in row] for row in data.get("head_probs", [])]
+    times = {name: _between(data["times"].get(name, 0.0), 0.0, 3600.0, f"a step's {name} seconds")
+             for name in ("heads", "tree", "verify", "accept", "commit", "compare")}
+    head_rows, prob_rows = data.get("head_token_ids", []), data.get("head_probs", [])
+    if not isinstance(head_rows, list) or not isinstance(prob_rows, list) or len(head_rows) > MAX_DEPTH + 1:
+        raise ValueError(f"a step holds at most {MAX_DEPTH + 1} rows of head guesses")
+    heads = [_ints(row, MAX_TOP_M) for row in head_rows]
+    probs = [[_between(p, 0.0, 1.0, "a head's probability") for p in row] for row in prob_rows]
     if [len(r) for r in heads] != [len(r) for r in probs]:
         raise ValueError("head tokens and probabilities differ in shape")
     top = data.get("top_logits")
     record = StepRecord(
-        index=int(data["index"]), strategy=str(data["strategy"]), context_length=int(data["context_length"]),
+        index=_int(data["index"], "a step index"), strategy=str(data["strategy"]),
+        context_length=_int(data["context_length"], "a context length"),
         head_token_ids=heads, head_probs=probs, outcome=_outcome(data["outcome"]), new_tokens=_ints(data["new_tokens"]),
         times=PhaseTimes(**times), comparison=None if data.get("comparison") is None else _outcome(data["comparison"]),
         head_texts=[_strs(row) for row in data.get("head_texts", [])],
@@ -193,9 +224,9 @@ def _run_stats(stats: dict) -> RunStats:
                 raise TypeError(f"stats.{name}: expected a text, got {type(value).__name__}")
             checked[name] = value
         elif isinstance(default, int):
-            checked[name] = int(_float(value)) if value is not None else default
+            checked[name] = int(_between(value, -2**53, 2**53, f"stats.{name}")) if value is not None else default
         else:  # floats, and vs_plain, which may be absent (None)
-            checked[name] = None if value is None and default is None else _float(value)
+            checked[name] = None if value is None and default is None else _between(value, -1e12, 1e12, f"stats.{name}")
     return RunStats(**checked)
 
 
@@ -209,15 +240,19 @@ def _scalars(value: Any, what: str) -> dict[str, Any]:
 def _facts(data: dict, steps: list[StepRecord], meta: dict) -> RunFacts:
     run_stats = _run_stats(dict(data["stats"]))
     ar = data.get("ar")
-    baseline = None if ar is None else ArBaseline(step_seconds=[_float(s) for s in ar.get("step_seconds", [])],
-                                                  seconds_per_token=None if ar.get("seconds_per_token") is None
-                                                  else _float(ar["seconds_per_token"]))
+    baseline = None if ar is None else ArBaseline(
+        step_seconds=[_between(s, 1e-9, 3600.0, "a plain step's seconds") for s in ar.get("step_seconds", [])],
+        seconds_per_token=None if ar.get("seconds_per_token") is None
+        else _between(ar["seconds_per_token"], 1e-9, 3600.0, "plain decoding's seconds a token"))
     output_ids = _ints(data["output_ids"])
     if not output_ids:
         raise ValueError("a run holds at least the prefill's token")
     token_bytes = {int(k): bytes.fromhex(v) for k, v in dict(data.get("token_bytes", {})).items()}
     notes = {int(k) - 1: str(v) for k, v in dict(meta.get("notes", {})).items()}
     settings = _scalars(data["settings"], "settings")
+    for name in NUMERIC_SETTINGS:
+        if name in settings:
+            _between(settings[name], 0, 10**6, f"settings.{name}")
     return RunFacts(prompt=str(data["prompt"]), spec=parse_strategy(data["strategy"]), settings=settings,
                     records=steps, output_ids=output_ids, first_text=str(data.get("first_text", "")),
                     text=str(data.get("text", "")), token_bytes=token_bytes, stats=run_stats,
@@ -226,6 +261,26 @@ def _facts(data: dict, steps: list[StepRecord], meta: dict) -> RunFacts:
                     stop_reason=str(data.get("stop_reason", "")), model=str(data.get("model", "")),
                     heads=str(data.get("heads", "")), recording=str(meta.get("title", "an exported run")),
                     step_notes=notes, notice=str(meta.get("notice", "")))
+
+
+_MARKDOWN_MARKS = re.compile(r"([\\\[\]()!])")  # links and images
+
+
+def inert_text(text: str) -> str:
+    """`text` shown as written where the page renders Markdown with HTML: HTML's specials as entities,
+    Markdown's link and image marks escaped (no tag, link or image comes from it)."""
+    return _MARKDOWN_MARKS.sub(r"\\\1", html.escape(text, quote=False))
+
+
+def _inert_facts(facts: RunFacts) -> RunFacts:
+    def inert(value: Any) -> Any:
+        return inert_text(value) if isinstance(value, str) else value
+    return dataclasses.replace(
+        facts, recording=inert(facts.recording), notice=inert(facts.notice), note=inert(facts.note),
+        state=inert(facts.state), stop_reason=inert(facts.stop_reason), model=inert(facts.model),
+        heads=inert(facts.heads), settings={k: inert(v) for k, v in facts.settings.items()},
+        check={k: inert(v) for k, v in facts.check.items()},
+        step_notes={k: inert(v) for k, v in facts.step_notes.items()})
 
 
 def _parse(raw: str | bytes) -> dict:
@@ -244,17 +299,20 @@ def _parse(raw: str | bytes) -> dict:
     return data
 
 
-def load_trace(raw: str | bytes) -> Trace:
-    """A trace from its JSON text; TraceError (with the reason) for anything this lab cannot replay."""
+def load_trace(raw: str | bytes, untrusted: bool = False) -> Trace:
+    """A trace from its JSON text; TraceError (with the reason) for anything this lab cannot replay.
+    `untrusted` (an upload): its free texts (title, notes, state, settings...) are made inert, shown as
+    written, never as Markdown or HTML (a shared trace must not load images or change the layout)."""
     data = _parse(raw)
     try:
         steps_data, meta = data["steps"], dict(data.get("meta") or {})
         if not isinstance(steps_data, list) or len(steps_data) > MAX_TRACE_STEPS:
             raise ValueError(f"steps must be a list of at most {MAX_TRACE_STEPS}")
         steps = [_step(step, number) for number, step in enumerate(steps_data)]
-        return Trace(facts=_facts(data["facts"], steps, meta), meta=meta)
+        facts = _facts(data["facts"], steps, meta)
+        return Trace(facts=_inert_facts(facts) if untrusted else facts, meta=meta)
     except StrategyError as error:
         raise TraceError(f"the trace's strategy is not in the grammar: {error}") from None
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as error:
         what = f"missing field {error}" if isinstance(error, KeyError) else str(error)
-        raise TraceError(f"the trace is damaged or not from this lab ({what[:160]})") from None
+        raise TraceError(inert_text(f"the trace is damaged or not from this lab ({what[:160]})")) from None
