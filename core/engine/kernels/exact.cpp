@@ -575,11 +575,12 @@ int best_int8_path() {
 int g_int8_path = best_int8_path();  // set once at import, or by a test through set_int8_path
 bool g_int8_auto = true;             // the path follows the row count (below)
 
-// auto: a few rows are memory-bound, where avx2's tile straight from the weights beats widening them
-// into a buffer first. The shipped model's whole gguf-q8 forward + logits over a 100-token cache,
-// 2-core Zen 5, ms avx2 / avx512-vnni: 1 row 2.84 / 4.88, 4 rows 5.25 / 7.16, 6 rows 7.59 / 8.28,
-// 8 rows 9.83 / 9.24, 16 rows 19.08 / 13.48, 64 rows 74.4 / 39.0.
-constexpr int64_t VNNI_FEWEST_ROWS = 8;
+// auto: avx512-vnni from 2 rows; one row (a plain step, bound by memory) measures the same either way
+// and keeps avx2's tile. The shipped model's gguf-q8 forward + logits over a 100-token cache, one run,
+// 2-core Zen 5, ms avx2 / avx512-vnni: 1 row 2.90 / 2.89, 2 rows 3.35 / 3.03, 4 rows 5.18 / 3.92,
+// 8 rows 9.67 / 6.61, 16 rows 18.6 / 12.2, 64 rows 74.4 / 47.5.
+constexpr int64_t VNNI_FEWEST_ROWS = 2;
+constexpr int64_t VNNI_DIRECT_ROWS = 8;  // see int8_rows_vnni
 
 inline int int8_path_for(int64_t n) {
   return g_int8_auto && n < VNNI_FEWEST_ROWS && g_int8_path == INT8_VNNI ? INT8_AVX2 : g_int8_path;
@@ -865,42 +866,94 @@ VNNI_TARGET inline __m512 two_halves(const uint16_t* h0, const uint16_t* h1) {  
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(h1)), 1));
 }
 
+// column pair (c0, c1)'s pair p as vpdpbusd takes it
+template <int FMT>
+VNNI_TARGET inline VnniPair widen_pair(const Weight& w, int64_t c0, int64_t c1, int64_t p) {
+  constexpr int64_t pair_bytes = FMT == Q4_1 ? 32 : 64;
+  const uint8_t* w0 = w.quant_bytes + c0 * w.quant_stride + p * pair_bytes;
+  const uint8_t* w1 = w.quant_bytes + c1 * w.quant_stride + p * pair_bytes;
+  VnniPair v;
+  if constexpr (FMT == Q4_1) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i packed = two_columns(w0, w1);
+    v.low = _mm512_and_si512(packed, nibble);
+    v.high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    v.base = _mm512_setzero_si512();
+  } else {
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    v.low = two_columns(w0, w1);
+    v.high = two_columns(w0 + 32, w1 + 32);
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, v.low),
+                                            offset, v.high);
+    v.base = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+  }
+  int32_t d0, d1;
+  std::memcpy(&d0, w.d16 + c0 * w.padded + 2 * p, 4);
+  std::memcpy(&d1, w.d16 + c1 * w.padded + 2 * p, 4);
+  v.dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(d0)),
+                                                 _mm_set1_epi32(d1), 1));
+  return v;
+}
+
+// the bytes of pair p of columns c0 + PREFETCH_COLUMNS and the next one: a few rows are bound by memory's
+// latency (2-core Zen 5, the shipped model's gguf-q8 forward of 4 rows: 4.44 -> 3.73 ms)
+constexpr int64_t PREFETCH_COLUMNS = 8;
+
+template <int FMT>
+VNNI_TARGET inline void prefetch_ahead(const Weight& w, int64_t c0, int64_t p) {
+  constexpr int64_t pair_bytes = FMT == Q4_1 ? 32 : 64;
+  const uint8_t* ahead = w.quant_bytes + (c0 + PREFETCH_COLUMNS) * w.quant_stride + p * pair_bytes;
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(ahead + w.quant_stride), _MM_HINT_T0);
+  if constexpr (FMT == Q8_0) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + w.quant_stride + 32), _MM_HINT_T0);
+  }
+}
+
+// Q4_1: m of blocks 8g..8g+7 of columns c0 and c1
+VNNI_TARGET inline __m512 widen_mins(const Weight& w, int64_t c0, int64_t c1, int64_t g) {
+  return two_halves(w.m16 + c0 * w.padded + 8 * g, w.m16 + c1 * w.padded + 8 * g);
+}
+
 template <int FMT>
 VNNI_TARGET inline void widen_vnni(const Weight& w, int64_t first, int64_t cols, int64_t pairs, VnniBuffer& dst) {
-  const __m512i nibble = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  constexpr int64_t pair_bytes = FMT == Q4_1 ? 32 : 64;
   const int64_t column_pairs = (cols + 1) / 2, groups = w.padded / 8;
   dst.pairs.resize(column_pairs * pairs);
   if constexpr (FMT == Q4_1) dst.mins.resize(column_pairs * groups);
   for (int64_t cp = 0; cp < column_pairs; ++cp) {
     const int64_t c0 = first + 2 * cp, c1 = std::min(c0 + 1, first + cols - 1);
-    const uint8_t* w0 = w.quant_bytes + c0 * w.quant_stride;
-    const uint8_t* w1 = w.quant_bytes + c1 * w.quant_stride;
     for (int64_t p = 0; p < pairs; ++p) {
-      VnniPair& v = dst.pairs[cp * pairs + p];
-      if constexpr (FMT == Q4_1) {
-        const __m512i packed = two_columns(w0 + p * pair_bytes, w1 + p * pair_bytes);
-        v.low = _mm512_and_si512(packed, nibble);
-        v.high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-        v.base = _mm512_setzero_si512();
-      } else {
-        v.low = two_columns(w0 + p * pair_bytes, w1 + p * pair_bytes);
-        v.high = two_columns(w0 + p * pair_bytes + 32, w1 + p * pair_bytes + 32);
-        const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, v.low),
-                                                offset, v.high);
-        v.base = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
-      }
-      int32_t d0, d1;
-      std::memcpy(&d0, w.d16 + c0 * w.padded + 2 * p, 4);
-      std::memcpy(&d1, w.d16 + c1 * w.padded + 2 * p, 4);
-      v.dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(d0)),
-                                                     _mm_set1_epi32(d1), 1));
+      prefetch_ahead<FMT>(w, c0, p);
+      dst.pairs[cp * pairs + p] = widen_pair<FMT>(w, c0, c1, p);
     }
     if constexpr (FMT == Q4_1)
-      for (int64_t g = 0; g < groups; ++g)
-        dst.mins[cp * groups + g] = two_halves(w.m16 + c0 * w.padded + 8 * g, w.m16 + c1 * w.padded + 8 * g);
+      for (int64_t g = 0; g < groups; ++g) dst.mins[cp * groups + g] = widen_mins(w, c0, c1, g);
   }
 }
+
+// Where a tile reads its column pairs: the thread's widened buffer (many rows: widened once, read by every
+// row tile), or the weights themselves (a few rows: widened in registers, once per tile and pair)
+struct FromBuffer {
+  static constexpr bool in_registers = false;
+  const VnniBuffer& buffer;
+  int64_t pairs, groups, cp0;
+  VNNI_TARGET const VnniPair& pair(int c, int64_t p) const { return buffer.pairs[(cp0 + c) * pairs + p]; }
+  VNNI_TARGET __m512 mins(int c, int64_t g) const { return buffer.mins[(cp0 + c) * groups + g]; }
+};
+
+
+template <int FMT>
+struct FromWeights {
+  static constexpr bool in_registers = true;
+  const Weight& w;
+  int64_t first, last;  // the tile's first and last column
+  VNNI_TARGET VnniPair pair(int c, int64_t p) const {
+    prefetch_ahead<FMT>(w, first + 2 * c, p);
+    return widen_pair<FMT>(w, first + 2 * c, std::min(first + 2 * c + 1, last), p);
+  }
+  VNNI_TARGET __m512 mins(int c, int64_t g) const { return widen_mins(w, first + 2 * c, std::min(first + 2 * c + 1, last), g); }
+};
 
 VNNI_TARGET inline __m512 broadcast8(const float* p) {  // 8 floats into both halves
   return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
@@ -913,17 +966,29 @@ VNNI_TARGET inline __m512 hsum8_halves(__m512 v) {
   return _mm512_add_ps(v, _mm512_movehdup_ps(v));          // + (1 + 3)
 }
 
-// R rows x CP column pairs from the widened buffer
-template <int FMT, int R, int CP>
-VNNI_TARGET inline void vnni_tile(const ActivationBlocks& a, int64_t row, const VnniBuffer& buffer, int64_t cp0,
-                                  const Weight& w, int64_t first, int64_t cols, float* out) {
+template <int FMT>
+VNNI_TARGET inline void vnni_lanes(const VnniPair& pair, __m512i x_low, __m512i x_high, __m512 dx, __m512& acc) {
+  __m512i isum;
+  if constexpr (FMT == Q4_1)
+    isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair.low, x_low), pair.high, x_high);
+  else
+    isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(pair.base, x_low, pair.low), x_high, pair.high);
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), pair.dw), dx, acc);
+}
+
+// R rows x CP column pairs (the tile's `cols` columns from `first`), read through `src`
+template <int FMT, int R, int CP, typename Source>
+VNNI_TARGET inline void vnni_tile(const ActivationBlocks& a, int64_t row, const Source& src, const Weight& w,
+                                  int64_t first, int64_t cols, float* out) {
   const int64_t pairs = a.pairs;
-  const VnniPair* v = buffer.pairs.data() + cp0 * pairs;
   __m512 acc[R][CP];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CP; ++c) acc[r][c] = _mm512_setzero_ps();
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t p = 0; p < pairs; ++p) {
+    VnniPair held[Source::in_registers ? CP : 1];
+    if constexpr (Source::in_registers)
+      for (int c = 0; c < CP; ++c) held[c] = src.pair(c, p);
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = a.q.data() + (row + r) * pairs * 64 + p * 64;
       __m512i x_low = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
@@ -934,26 +999,19 @@ VNNI_TARGET inline void vnni_tile(const ActivationBlocks& a, int64_t row, const 
       }
       const __m512 dx = broadcast8(a.scale.data() + (row + r) * pairs * 8 + p * 8);
       for (int c = 0; c < CP; ++c) {
-        const VnniPair& pair = v[c * pairs + p];
-        __m512i isum;
-        if constexpr (FMT == Q4_1)
-          isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair.low, x_low), pair.high, x_high);
-        else
-          isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(pair.base, x_low, pair.low), x_high, pair.high);
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), pair.dw);
-        acc[r][c] = _mm512_fmadd_ps(scaled, dx, acc[r][c]);
+        if constexpr (Source::in_registers) vnni_lanes<FMT>(held[c], x_low, x_high, dx, acc[r][c]);
+        else vnni_lanes<FMT>(src.pair(c, p), x_low, x_high, dx, acc[r][c]);
       }
     }
   }
   const int64_t groups = w.padded / 8;
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CP; ++c) {
+  for (int c = 0; c < CP; ++c)
+    for (int r = 0; r < R; ++r) {
       __m512 total = hsum8_halves(acc[r][c]);
       if constexpr (FMT == Q4_1) {  // + the minimum term, its own 8 lanes and tree
-        const __m512* mw = buffer.mins.data() + (cp0 + c) * groups;
         const float* sx = a.sums.data() + (row + r) * w.padded;
         __m512 mins = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; ++g) mins = _mm512_fmadd_ps(mw[g], broadcast8(sx + 8 * g), mins);
+        for (int64_t g = 0; g < groups; ++g) mins = _mm512_fmadd_ps(src.mins(c, g), broadcast8(sx + 8 * g), mins);
         total = _mm512_add_ps(total, hsum8_halves(mins));
       }
       float* o = out + (row + r) * w.out + first + 2 * c;
@@ -962,28 +1020,49 @@ VNNI_TARGET inline void vnni_tile(const ActivationBlocks& a, int64_t row, const 
     }
 }
 
-template <int FMT, int R>
-VNNI_TARGET inline void vnni_rows(const ActivationBlocks& a, int64_t row, const VnniBuffer& buffer, const Weight& w,
+// rows [row, row + R) of a column block: tiles of CP column pairs, then one pair at a time
+template <int FMT, int R, int CP, typename MakeSource>
+VNNI_TARGET inline void vnni_rows(const ActivationBlocks& a, int64_t row, const MakeSource& source, const Weight& w,
                                   int64_t first, int64_t cols, float* out) {
-  constexpr int CP = 4;  // R x 4 accumulators and a row's 3 registers: within 32 zmm for R <= 6
   int64_t c = 0;
-  for (; c + 2 * CP <= cols; c += 2 * CP) vnni_tile<FMT, R, CP>(a, row, buffer, c / 2, w, first + c, 2 * CP, out);
-  for (; c < cols; c += 2)
-    vnni_tile<FMT, R, 1>(a, row, buffer, c / 2, w, first + c, std::min<int64_t>(2, cols - c), out);
+  for (; c + 2 * CP <= cols; c += 2 * CP)
+    vnni_tile<FMT, R, CP>(a, row, source(c, 2 * CP), w, first + c, 2 * CP, out);
+  for (; c < cols; c += 2) {
+    const int64_t width = std::min<int64_t>(2, cols - c);
+    vnni_tile<FMT, R, 1>(a, row, source(c, width), w, first + c, width, out);
+  }
 }
 
+template <int FMT, int CP, typename MakeSource>
+VNNI_TARGET inline void vnni_row_groups(const ActivationBlocks& a, const MakeSource& source, const Weight& w,
+                                        int64_t first, int64_t cols, float* out) {
+  for (int64_t r = 0; r < a.n; r += 4) {
+    switch (std::min<int64_t>(a.n - r, 4)) {
+      case 1: vnni_rows<FMT, 1, CP>(a, r, source, w, first, cols, out); break;
+      case 2: vnni_rows<FMT, 2, CP>(a, r, source, w, first, cols, out); break;
+      case 3: vnni_rows<FMT, 3, CP>(a, r, source, w, first, cols, out); break;
+      default: vnni_rows<FMT, 4, CP>(a, r, source, w, first, cols, out); break;
+    }
+  }
+}
+
+// Up to VNNI_DIRECT_ROWS rows each weight is read by few rows: widened in registers where it is used;
+// beyond, widened once per thread and column block into the buffer every row tile reads.
 template <int FMT>
 VNNI_TARGET void int8_rows_vnni(const ActivationBlocks& a, const Weight& w, int64_t first, int64_t cols, float* out,
                                 VnniBuffer& buffer) {
-  widen_vnni<FMT>(w, first, cols, a.pairs, buffer);
-  for (int64_t r = 0; r < a.n; r += 4) {
-    switch (std::min<int64_t>(a.n - r, 4)) {
-      case 1: vnni_rows<FMT, 1>(a, r, buffer, w, first, cols, out); break;
-      case 2: vnni_rows<FMT, 2>(a, r, buffer, w, first, cols, out); break;
-      case 3: vnni_rows<FMT, 3>(a, r, buffer, w, first, cols, out); break;
-      default: vnni_rows<FMT, 4>(a, r, buffer, w, first, cols, out); break;
-    }
+  if (a.n <= VNNI_DIRECT_ROWS) {
+    // 2 column pairs: R x 2 accumulators, 2 x 4 widened registers and a row's 3 within 32 zmm
+    vnni_row_groups<FMT, 2>(a, [&](int64_t c, int64_t width) {
+      return FromWeights<FMT>{w, first + c, first + c + width - 1};
+    }, w, first, cols, out);
+    return;
   }
+  widen_vnni<FMT>(w, first, cols, a.pairs, buffer);
+  const int64_t groups = w.padded / 8;
+  // 4 column pairs: R x 4 accumulators and a row's 3 registers, the weights read from the buffer
+  vnni_row_groups<FMT, 4>(a, [&](int64_t c, int64_t) { return FromBuffer{buffer, a.pairs, groups, c / 2}; },
+                          w, first, cols, out);
 }
 #else
 struct VnniBuffer {};
