@@ -1236,6 +1236,25 @@ inline void weighted_values(const float* weight, int64_t total, const ValueAt& v
 #endif
 }
 
+// scores[0, total) -> e^(score - max) in place (padding to whole vectors: 0); returns 1 / their sum.
+// Each in one fixed order: the max, then the exponentials and their 16-lane sum in key order.
+inline float softmax_weights(float* scores, int64_t total) {
+  const int64_t padded = (total + LANES - 1) / LANES * LANES;
+  for (int64_t t = total; t < padded; ++t) scores[t] = -INFINITY;
+  v16f top = vset(-INFINITY);
+  for (int64_t t = 0; t < padded; t += LANES) top = vmax(top, vload(&scores[t]));
+  const v16f peak = vset(hmax(top));
+  v16f sum{};
+  for (int64_t t = 0; t < padded; t += LANES) {
+    v16f p = vexp(vload(&scores[t]) - peak);
+    if (t + LANES > total)  // padding lanes weigh nothing
+      for (int64_t l = total - t; l < LANES; ++l) p[l] = 0.0f;
+    vstore(&scores[t], p);
+    sum = sum + p;
+  }
+  return 1.0f / hsum(sum);
+}
+
 // one query row and head over the keys it sees: rows [0, past) of the cache, then the new rows
 // `seen` (position order). scores -> max -> exp -> sum -> weighted values, each in one fixed order.
 void attend_one(const float* q, const float* keys, const float* values, int64_t past, const int64_t* seen,
@@ -1253,19 +1272,7 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
     const float* one[1] = {key_at(t)};
     key_dots<1>(q, one, d, scale, &scores[t]);
   }
-  for (int64_t t = total; t < padded; ++t) scores[t] = -INFINITY;
-  v16f top = vset(-INFINITY);
-  for (int64_t t = 0; t < padded; t += LANES) top = vmax(top, vload(&scores[t]));
-  const v16f peak = vset(hmax(top));
-  v16f sum{};
-  for (int64_t t = 0; t < padded; t += LANES) {
-    v16f p = vexp(vload(&scores[t]) - peak);
-    if (t + LANES > total)  // padding lanes weigh nothing
-      for (int64_t l = total - t; l < LANES; ++l) p[l] = 0.0f;
-    vstore(&scores[t], p);
-    sum = sum + p;
-  }
-  const float inverse = 1.0f / hsum(sum);
+  const float inverse = softmax_weights(scores.data(), total);
   const int64_t chunks = d / LANES;
   auto value_at = [&](int64_t t) { return values + (t < past ? t : past + seen[t - past]) * d; };
   int64_t c = 0;
@@ -1273,6 +1280,70 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
     weighted_values<CHUNKS_AT_ONCE>(scores.data(), total, value_at, c * LANES, inverse, out);
   for (; c < chunks; ++c) weighted_values<1>(scores.data(), total, value_at, c * LANES, inverse, out);
 }
+
+#if !defined(HALF_LANES)
+// Several queries of one KV group (its heads, one or more rows) that see the same first `shared` keys
+// (the cache, then the new rows their `seen` lists have in common): each shared key and value is loaded
+// once for all of them, and each query's arithmetic is attend_one's, term for term (a key's score is
+// the same dot product; the softmax is softmax_weights; each output lane sums its keys in order).
+constexpr int SHARED_QUERIES = 6;  // 6 x 4 accumulators and a value's 4 registers within 32 zmm
+
+struct AttentionQuery {
+  const float* q;
+  const int64_t* seen;  // the new rows it sees, in position order
+  int64_t seen_count;
+  float* out;
+};
+
+void attend_shared(const AttentionQuery* queries, int count, const float* keys, const float* values, int64_t past,
+                   int64_t shared_new, int64_t d, float scale, std::vector<float>* scores) {
+  const int64_t shared = past + shared_new;
+  auto position = [&](const AttentionQuery& query, int64_t t) { return t < past ? t : past + query.seen[t - past]; };
+  for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
+  for (int64_t t = 0; t < shared; ++t) {  // shared keys: loaded once
+    const float* key = keys + position(queries[0], t) * d;
+    for (int g = 0; g < count; ++g) {
+      v16f acc{};
+      for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(queries[g].q + i), vload(key + i), acc);
+      scores[g][t] = hsum(acc) * scale;
+    }
+  }
+  float inverse[SHARED_QUERIES];
+  for (int g = 0; g < count; ++g) {  // each query's own keys, then its softmax
+    const AttentionQuery& query = queries[g];
+    const int64_t total = past + query.seen_count;
+    for (int64_t t = shared; t < total; ++t) {
+      const float* one[1] = {keys + position(query, t) * d};
+      key_dots<1>(query.q, one, d, scale, &scores[g][t]);
+    }
+    inverse[g] = softmax_weights(scores[g].data(), total);
+  }
+  for (int64_t first = 0; first < d; first += CHUNKS_AT_ONCE * LANES) {
+    const int chunks = static_cast<int>(std::min<int64_t>(CHUNKS_AT_ONCE, (d - first) / LANES));
+    v16f acc[SHARED_QUERIES][CHUNKS_AT_ONCE];
+    for (int g = 0; g < count; ++g)
+      for (int c = 0; c < chunks; ++c) acc[g][c] = v16f{};
+    for (int64_t t = 0; t < shared; ++t) {  // shared values: loaded once
+      const float* value = values + position(queries[0], t) * d + first;
+      v16f v[CHUNKS_AT_ONCE];
+      for (int c = 0; c < chunks; ++c) v[c] = vload(value + c * LANES);
+      for (int g = 0; g < count; ++g) {
+        const v16f w = vset(scores[g][t]);
+        for (int c = 0; c < chunks; ++c) acc[g][c] = vfma(w, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < count; ++g) {
+      const AttentionQuery& query = queries[g];
+      for (int64_t t = shared; t < past + query.seen_count; ++t) {
+        const float* value = values + position(query, t) * d + first;
+        const v16f w = vset(scores[g][t]);
+        for (int c = 0; c < chunks; ++c) acc[g][c] = vfma(w, vload(value + c * LANES), acc[g][c]);
+      }
+      for (int c = 0; c < chunks; ++c) vstore(query.out + first + c * LANES, acc[g][c] * inverse[g]);
+    }
+  }
+}
+#endif
 
 class Model {
  public:
@@ -1409,6 +1480,9 @@ class Model {
 
   void attention(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past, const float* keys,
                  const float* values, int64_t capacity, float* out) const {
+#if !defined(HALF_LANES)
+    if (cfg.heads / cfg.kv_heads <= SHARED_QUERIES) return attention_shared(qkv, seen, past, keys, values, capacity, out);
+#endif
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
     auto attend = [&](int64_t begin, int64_t end) {
@@ -1424,6 +1498,44 @@ class Model {
     if (n * cfg.heads * (past + n) < PARALLEL_KEYS) attend(0, n * cfg.heads);
     else at::parallel_for(0, n * cfg.heads, 1, attend);
   }
+
+#if !defined(HALF_LANES)
+  // Tasks of one KV group's heads for a block of rows (as many as SHARED_QUERIES queries allow), each
+  // reading the keys and values its rows share once (attend_shared). Blocks are dealt from both ends
+  // (first, last, second, ...) so the threads' contiguous shares cost alike in a causal prefill.
+  void attention_shared(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past,
+                        const float* keys, const float* values, int64_t capacity, float* out) const {
+    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
+    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
+    const int64_t rows_per_block = std::max<int64_t>(1, SHARED_QUERIES / group);
+    const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
+    auto attend = [&](int64_t begin, int64_t end) {
+      std::vector<float> scores[SHARED_QUERIES];
+      AttentionQuery queries[SHARED_QUERIES];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t kv = task % cfg.kv_heads, order = task / cfg.kv_heads;
+        const int64_t block = order % 2 == 0 ? order / 2 : blocks - 1 - order / 2;
+        const int64_t first = block * rows_per_block, last = std::min(n, first + rows_per_block);
+        int count = 0;
+        int64_t common = static_cast<int64_t>(seen[first].size());
+        for (int64_t i = first; i < last; ++i) {
+          int64_t same = 0;  // the new rows every row of the block sees first, in the same order
+          while (same < common && same < static_cast<int64_t>(seen[i].size()) && seen[i][same] == seen[first][same])
+            ++same;
+          common = same;
+          for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
+            queries[count++] = {qkv + i * width + head * d, seen[i].data(), static_cast<int64_t>(seen[i].size()),
+                                out + i * cfg.heads * d + head * d};
+        }
+        attend_shared(queries, count, keys + kv * capacity * d, values + kv * capacity * d, past, common, d,
+                      cfg.scale, scores);
+      }
+    };
+    const int64_t tasks = blocks * cfg.kv_heads;
+    if (n * cfg.heads * (past + n) < PARALLEL_KEYS) attend(0, tasks);
+    else at::parallel_for(0, tasks, 1, attend);
+  }
+#endif
 
   void silu_mul(const float* gate_up, float* out, int64_t n) const {
     const int64_t width = cfg.intermediate;
