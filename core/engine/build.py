@@ -88,7 +88,7 @@ def _put_ninja_on_path() -> None:
 
 def main() -> None:
     """Build (or find) the kernels for this machine: `python -m core.engine.build` (scripts/setup.sh)."""
-    from core.model import CACHE_DIR
+    from core.paths import CACHE_DIR
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     started = time.perf_counter()
     module = load_kernels(CACHE_DIR)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.machine import cpu_name, measured_quietly, median_ms
-from core.strategy import MAX_TREE_ROWS
+from core.limits import MAX_TREE_ROWS
 
 log = logging.getLogger(__name__)
 
