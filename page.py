@@ -15,8 +15,8 @@ import gradio as gr
 
 import labstate
 from viz.view import empty_view
-from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, newest_round, result_order,
-                            result_round, step_trace_figure, stepped_strategies)
+from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, result_order,
+                            step_trace_figure, stepped_strategies)
 from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -169,13 +169,13 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
 
 
 def benchmark_tab(results: Path) -> None:
-    """The committed benchmark results: the newest round on one screen, earlier rounds folded below."""
+    """The committed benchmark results (the current ones; earlier ones live in git's history): CPU runs
+    first, MT-Bench first, each with its table, its figure and, folded, its step-by-step traces."""
     files = sorted(results.glob("bench_*.json"), key=lambda path: result_order(path.stem))
     if not files:
         gr.Markdown("No benchmark results are shipped yet: run `python -m core.bench ... --out assets/results/X.json`.")
         return
-    current = set(newest_round([path.stem for path in files]))
-    for path in (p for p in files if p.stem in current):
+    for path in files:
         result = json.loads(path.read_text())
         gr.Markdown(bench_heading(result) + "\n\n" + markdown_table(result), elem_classes=["bench-table"])
         gr.Plot(bench_figure(result), show_label=False)  # titled in words (set, precision, prompts)
@@ -185,12 +185,6 @@ def benchmark_tab(results: Path) -> None:
         if category_table(result):
             with gr.Accordion("Per category (worst prompt in brackets)", open=False):
                 gr.Markdown(category_table(result), elem_classes=["bench-table"])
-    earlier = [p for p in files if p.stem not in current]
-    with gr.Accordion(f"Earlier rounds ({len(earlier)} result files; other heads, other CPUs)", open=False):
-        for path in earlier:
-            result = json.loads(path.read_text())
-            gr.Markdown(f"{bench_heading(result)} ({result_round(path.stem)})\n\n{markdown_table(result)}",
-                        elem_classes=["bench-table"])
 
 
 def view_panel(results: Path, how_it_works: Path) -> dict[str, gr.components.Component]:

@@ -30,6 +30,18 @@ def cpu_name() -> str:
     return _cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
 
 
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+
+
+def cpu_summary() -> str:
+    """The CPU in one line for a result: its name, family / model and the matrix instructions it has
+    ("AMD EPYC, family 26 model 2: avx2 avx512f avx512_vnni avx512_bf16")."""
+    fields = _cpuinfo_fields()
+    flags = set(fields.get("flags", "").split())
+    family = f", family {fields['cpu family']} model {fields.get('model', '?')}" if "cpu family" in fields else ""
+    return f"{cpu_name()}{family}: {' '.join(f for f in MATRIX_FLAGS if f in flags) or 'no AVX2'}"
+
+
 def cpu_fingerprint() -> str:
     """The CPU's model name and feature flags (AVX512-BF16 and friends decide the fast paths)."""
     return f"{cpu_name()}|{_cpuinfo_fields().get('flags', '')}"

@@ -37,7 +37,7 @@ from core.drafters.hydra import load_hydra_heads
 from core.families import FAMILIES, MEDUSA, family
 from core.strategy import HYDRA, LLAMACPP, LOOKUP_TOKENS, PEERS
 from core.strategy import parse_strategy as parse_strategy_spec
-from core.machine import cpu_name
+from core.machine import cpu_name, cpu_summary
 from core.model import (GGUF_PACKAGE_PIN, BaseModel, ModelConfig, default_precision, fast_bf16, fast_bf16_batched,
                         gguf_location, load_base_model, precision_choice)
 from core.sampling import SamplingConfig
@@ -374,7 +374,7 @@ def main() -> None:
                    "seed": args.seed, "repeats": args.repeats},
         "model": base.source, "heads": heads_source if args.heads else f"{heads_source} ({DEFAULT_HEADS_DIR})",
         "hydra": None if hydra is None else str(args.hydra or "assets/hydra"),
-        "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": cpu_name(), "fast_bf16": fast_bf16(),
+        "device": {"type": str(base.device), "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_summary": cpu_summary(), "fast_bf16": fast_bf16(),
                    "fast_bf16_batched": fast_bf16_batched(),
                    "default_precision": precision_choice().describe(), "engine": base.engine_name,
                    "engine_detail": base.engine.describe() if hasattr(base.engine, "describe") else base.engine_name,

@@ -5,7 +5,11 @@ machine's measured read bandwidth), a plain step (one row, forward + logits) and
 1-64 rows over a 100-token cache (forward + logits of every row), median of 11 after 3 warm-up
 calls. Run it alone.
 
-    PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf-q8 gguf fp32 bf16] [--out FILE.json]
+    PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf-q8 gguf fp32 bf16]
+        [--int8-paths avx2 avx512-vnni] [--out FILE.json]
+
+`--int8-paths` measures gguf-q8 once per named 8-bit implementation (forced; `auto` is the default choice)
+in the same run, after the precisions.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 
 from core.engine.lean import median_ms
-from core.machine import cpu_name
+from core.machine import cpu_name, cpu_summary
 from core.model import ModelConfig, load_base_model
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -30,9 +34,11 @@ def read_bandwidth_gb_s() -> float:
     return data.numel() * 4 / 1e9 / (median_ms(lambda: data.sum(), 5) / 1e3)
 
 
-def costs(precision: str, bandwidth: float) -> dict:
+def costs(precision: str, bandwidth: float, int8_path: str = "auto") -> dict:
     base = load_base_model(ModelConfig(dtype=precision))
     engine = base.engine
+    if int8_path != "auto":
+        engine.kernels.set_int8_path(int8_path)
     prompt = torch.arange(1000, 1000 + CONTEXT)
     cache = engine.new_cache()
     engine.forward(prompt, torch.arange(CONTEXT), cache)
@@ -48,7 +54,9 @@ def costs(precision: str, bandwidth: float) -> dict:
             verify(rows)
     by_rows = {rows: round(median_ms(lambda: verify(rows), REPEATS), 2) for rows in ROWS}
     weight_bytes = getattr(engine, "weight_bytes", 0)
-    return {"precision": precision, "engine": base.engine_name,
+    if int8_path != "auto":
+        engine.kernels.set_int8_path("auto")
+    return {"precision": precision, "int8_path": int8_path, "engine": base.engine_name,
             "detail": engine.describe() if hasattr(engine, "describe") else base.engine_name,
             "weight_mb": round(weight_bytes / 1e6, 1), "weight_read_ms": round(weight_bytes / 1e9 / bandwidth * 1e3, 2),
             "ms_by_rows": by_rows, "x_plain": {rows: round(ms / by_rows[1], 2) for rows, ms in by_rows.items()}}
@@ -57,11 +65,14 @@ def costs(precision: str, bandwidth: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precisions", nargs="+", default=["gguf-q8", "gguf", "fp32", "bf16"])
+    parser.add_argument("--int8-paths", nargs="*", default=[])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     bandwidth = read_bandwidth_gb_s()
-    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "read_gb_s": round(bandwidth, 1),
-              "context": CONTEXT, "modes": [costs(p, bandwidth) for p in args.precisions]}
+    modes = [costs(p, bandwidth) for p in args.precisions]
+    modes += [costs("gguf-q8", bandwidth, path) for path in args.int8_paths]
+    result = {"cpu": cpu_name(), "cpu_summary": cpu_summary(), "threads": torch.get_num_threads(),
+              "read_gb_s": round(bandwidth, 1), "context": CONTEXT, "modes": modes}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ class Recording:
     notes: Notes = field(default=lambda records: {})
     alternatives: tuple[str, ...] = ()  # prompts tried in turn until one shows what the run is for
     shows: Callable[[labstate.GreedyCheck], bool] = field(default=lambda check: True)
+    engine: str = ""  # the forward it is recorded on ("": the lab's default, the exact kernels where they build)
 
 
 def _accepted(record: StepRecord) -> int:
@@ -89,8 +91,9 @@ def _fallbacks(records: list[StepRecord]) -> dict[int, str]:
 
 
 def _rejections(records: list[StepRecord]) -> dict[int, str]:
-    return {r.index: "the first guess was rejected: the bonus token was resampled from the residual distribution "
-                     "(the base model's probabilities minus the draft's), which keeps the output unbiased"
+    return {r.index: "every guess here was rejected: each was accepted with probability p(x) (a guess is one "
+                     "proposal, q(x) = 1), and after each rejection x was removed from p and the rest renormalised; "
+                     "the bonus token was drawn from what remained, so the output follows the base model exactly"
             for r in records if r.outcome.tree.num_nodes and _accepted(r) == 0}
 
 
@@ -148,19 +151,24 @@ RECORDINGS = [
               "when it is the top token): more tokens per step, and text that is sampled, not greedy. Compare "
               "with the first run's greedy answer to the same prompt.", PROMPT_SKY,
               dict(BASE, strategy="dynamic", rule="typical", temperature=0.7, compare_fixed=False), _accepting),
-    Recording("bf16_near_tie", "bf16: a near-tie flips a token",
-              "In bf16 the lab is exact up to rounding: where the plain run's two best tokens are nearly tied, a "
-              "tree verify can round the other way and the text departs from plain greedy decoding in the same "
-              "precision (bf16). The check card names the token and the logit gap; in fp32 the outputs are "
-              "identical.",
+    Recording("bf16_near_tie", "Without the exact kernels: a near-tie flips a token",
+              "Recorded on the lean forward (library kernels, what runs where the lab's own cannot be compiled): "
+              "it sums a tree's rows in another order than a one-token step, so where plain decoding's two best "
+              "tokens are (nearly) tied the verify can pick the other one and the text departs from plain greedy "
+              "decoding in the same precision. The check card names the token and the logit gap. Every other run "
+              "here, and the live page, use the exact kernels: each tree row is bitwise the one-token step, and "
+              "the text is plain greedy's in every precision.",
               "Write a short story about a robot who learns to paint.",
               dict(BASE, strategy="dynamic", precision="bf16", compare_fixed=False, max_new_tokens=96),
               alternatives=("Describe the water cycle for a ten-year-old.", "What are the benefits of regular exercise?",
                             "Explain how a bicycle stays upright.", "Give me three tips for learning a new language."),
-              shows=lambda check: check.state == "diff"),
+              shows=lambda check: check.state == "diff", engine="lean"),
     Recording("speculative_sampling", "Tree speculative sampling: reject and resample",
-              "Speculative sampling accepts a guess with probability min(1, p/q) and otherwise resamples from "
-              "the residual, so the output follows the base model's distribution exactly.", PROMPT_SKY,
+              "A guess is one proposal, not a draw from the heads' probabilities, so in min(1, p(x)/q(x)) the "
+              "draft's q(x) = 1: each guess x is accepted with probability p(x), the base model's. On a rejection "
+              "x is removed from p and the rest renormalised before the next sibling is tried, and the bonus "
+              "token is drawn from what remains: the output follows the base model's distribution exactly.",
+              PROMPT_SKY,
               dict(BASE, strategy="dynamic", rule="speculative", temperature=0.8, compare_fixed=False), _rejections),
 ]
 
@@ -174,15 +182,19 @@ def _divergence_notes(lab: labstate.LabState) -> dict[int, str]:
     for record in lab.run.session.records:
         emitted += len(record.new_tokens)
         if emitted > check.position:
-            return {record.index: f"token {check.position + 1} differs from plain greedy decoding in bf16: the "
-                                  f"plain run's top two logits were {check.logit_gap:.3g} apart, a near-tie that a "
-                                  f"tree verify and a one-token forward round differently (fp32 is exact)"}
+            gap = ("were exactly tied (gap 0)" if check.logit_gap == 0 else
+                   f"were {check.logit_gap:.3g} apart")
+            return {record.index: f"token {check.position + 1} differs from plain greedy decoding (lean forward, "
+                                  f"bf16): the plain run's top two logits {gap}, and the tree verify, summing in "
+                                  f"another order, ranked them the other way"}
     return {}
 
 
 def record(recording: Recording) -> dict:
     """Run one recording through the lab and write its trace; returns its gallery index row."""
     settings = labstate.parse_settings(recording.settings)
+    if recording.engine:  # read when its precision's runtime loads (this recording's alone)
+        os.environ["MEDUSA_LAB_ENGINE"] = recording.engine
     for prompt in (recording.prompt, *recording.alternatives):
         lab = labstate.record_lab(prompt, settings)
         if recording.shows(labstate.greedy_check(lab, lab.run)):
@@ -190,7 +202,9 @@ def record(recording: Recording) -> dict:
     records = list(lab.run.session.records)
     found = _divergence_notes(lab) if recording.name == "bf16_near_tie" else recording.notes(records)
     notes = {str(i + 1): text for i, text in sorted(found.items())}
-    meta = {"title": recording.title, "notice": recording.notice, "notes": notes}
+    os.environ.pop("MEDUSA_LAB_ENGINE", None)
+    meta = {"title": recording.title, "notice": recording.notice, "notes": notes,
+            "engine": lab.run.runtime.base.engine_name}
     (GALLERY / f"{recording.name}.json").write_text(labstate.run_trace(lab, meta), encoding="utf-8")
     print(f"{recording.name}: {len(records)} steps, {len(lab.run.session.output_ids)} tokens, {len(notes)} noted",
           file=sys.stderr)

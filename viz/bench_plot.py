@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -93,38 +92,24 @@ def prompt_set_name(result: dict) -> str:
     return PROMPT_SETS.get(stem, stem)
 
 
-def result_order(name: str) -> tuple[int, str]:
-    """Sort key for result files: MT-Bench first, then the rest by name."""
-    return (0 if "mtbench" in name.replace("_", "").replace("-", "").lower() else 1, name)
-
-
-def round_of(name: str) -> int | None:
-    """The round a result file belongs to (`bench_round8_mtbench_fp32` -> 8), None for unnumbered ones."""
-    match = re.search(r"round(\d+)", name)
-    return int(match.group(1)) if match else None
-
-
-def newest_round(names: list[str]) -> list[str]:
-    """The result names of the newest round present (all of them when none is numbered)."""
-    rounds = [r for r in map(round_of, names) if r is not None]
-    return [n for n in names if round_of(n) == max(rounds)] if rounds else list(names)
+def result_order(name: str) -> tuple[int, int, str]:
+    """Sort key for result files: CPU before GPU, MT-Bench first within each, then by name."""
+    flat = name.replace("_", "").replace("-", "").lower()
+    return (1 if "gpu" in flat else 0, 0 if "mtbench" in flat else 1, name)
 
 
 def bench_heading(result: dict) -> str:
     """A result's heading in words: the prompt set, its size, tokens, precision and machine."""
     config = result["config"]
     count = config.get("prompt_count") or config.get("limit") or "all"
-    device = result["device"].get("cuda") or result["device"].get("cpu") or result["device"]["type"]
+    device = (result["device"].get("cuda") or result["device"].get("cpu_summary") or result["device"].get("cpu")
+              or result["device"]["type"])
+    detail = result["device"].get("engine_detail", "")
+    device = f"{device} ({detail.split(':')[0]})" if detail.startswith("exact kernels") else device
     cut = (f" (cut off by its time limit after {count} of {config.get('prompts_planned')} prompts)"
            if result.get("complete") is False else "")
     return (f"#### {prompt_set_name(result)}: {count} prompts{cut}, {config['max_new_tokens']} new tokens, "
             f"{config['dtype']}, {device}")
-
-
-def result_round(stem: str) -> str:
-    """Which round a result file belongs to, in words ("round 7"; "an early round" before rounds were named)."""
-    found = re.search(r"round(\d+)", stem)
-    return f"round {found.group(1)}" if found else "an early round"
 
 
 def phase_figure(result: dict) -> go.Figure:
