@@ -231,3 +231,36 @@ def test_the_status_trackers_counter_gets_frames_only_while_shown():
         page.wait_for_timeout(1000)
         assert counts() == stopped  # the loop ended with the tracker's flag
         browser.close()
+
+
+def test_markup_in_an_uploaded_trace_is_shown_as_text_in_the_browser(replay_server, tmp_path):
+    """Issue 71: a shared trace whose title, notice, note and state hold HTML and Markdown images loads no
+    image and shows those texts as written (the status line and the notice panel render Markdown)."""
+    import json
+
+    from labstate import replay
+
+    hostile = '<img src="http://203.0.113.9/x.png" id="injected"> ![pic](http://203.0.113.9/y.png)'
+    data = json.loads((replay.GALLERY_DIR / replay.gallery()[0].file).read_text(encoding="utf-8"))
+    data["meta"].update(title=hostile, notice=hostile, notes={"1": hostile})
+    data["facts"].update(note=hostile, state=hostile)
+    trace = tmp_path / "hostile_trace.json"
+    trace.write_text(json.dumps(data), encoding="utf-8")
+    url, _ = replay_server
+    with playwright_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(url)
+        page.wait_for_function(TREE_POINTS_JS, arg=1, timeout=60_000)
+        with page.expect_file_chooser() as chooser:
+            page.locator("#trace-upload").click()
+        chooser.value.set_files(str(trace))
+        page.wait_for_function(STATUS_JS, arg="Loaded your trace", timeout=30_000)
+        page.locator("#replay-step-btn").click()
+        page.wait_for_function(STATUS_JS, arg='<img src="http://203.0.113.9/x.png"', timeout=30_000)
+        images = page.evaluate("() => [...document.querySelectorAll('img')].map(i => i.getAttribute('src') || '')")
+        assert not [src for src in images if "203.0.113.9" in src], images
+        assert page.locator("#injected").count() == 0
+        assert "![pic](http://203.0.113.9/y.png)" in page.locator("#notice").inner_text()
+        assert page.locator("a[href*='203.0.113.9']").count() == 0  # no bare address linked either
+        browser.close()

@@ -268,8 +268,10 @@ _MARKDOWN_MARKS = re.compile(r"([\\\[\]()!])")  # links and images
 
 def inert_text(text: str) -> str:
     """`text` shown as written where the page renders Markdown with HTML: HTML's specials as entities,
-    Markdown's link and image marks escaped (no tag, link or image comes from it)."""
-    return _MARKDOWN_MARKS.sub(r"\\\1", html.escape(text, quote=False))
+    Markdown's link and image marks escaped, and "://" spelt as an entity so that no bare address is
+    linked (no tag, link or image comes from it)."""
+    escaped = _MARKDOWN_MARKS.sub(r"\\\1", html.escape(text, quote=False))
+    return escaped.replace("://", "&#58;//")  # no bare address becomes a link either
 
 
 def _inert_facts(facts: RunFacts) -> RunFacts:
