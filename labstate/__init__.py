@@ -9,7 +9,8 @@ No gradio and no plotting here (app.py wires events, viz/ draws):
   bounded `SessionRegistry`; `plain`: plain decoding as the yardstick (greedy reference, check,
   speed against plain); `lifecycle`: Start, Step, Run to end, Stop, Reset, Check, a run's facts
   for the views and its JSON trace;
-- `replay`: recorded runs (traces and the gallery) stepped without a model: imports no torch.
+- `replay`: recorded runs (traces and the gallery) stepped without a model: imports no torch; `trace`:
+  the JSON trace format a run is written to and read back from.
 
 Names are loaded on first use (`labstate.parse_settings` imports `labstate.settings` only), so the
 replay-only page imports neither torch nor transformers.

@@ -23,7 +23,7 @@ from labstate.shared import cost_profile, measure_forward_seconds
 from labstate.sessions import LabState, SessionRegistry
 from labstate.settings import Settings
 from viz.facts import RunFacts, RunStats, summary
-from viz.trace import trace_json
+from labstate.trace import trace_json
 
 
 T = TypeVar("T")
@@ -306,7 +306,7 @@ def _per_step_ms(seconds: list[float], steps: int) -> float | None:
 
 
 def run_trace(lab: LabState | None, extra: dict | None = None) -> str:
-    """The user's run as JSON trace text (viz.trace's format), with `extra` in its meta."""
+    """The user's run as JSON trace text (labstate.trace's format), with `extra` in its meta."""
     if lab is None or lab.run is None:
         raise LabNotice("Nothing to export yet: run a few steps first.")
     run = lab.run

@@ -20,7 +20,7 @@ from typing import Any
 
 from labstate.errors import LabInputError, LabNotice
 from viz.facts import RunFacts, RunStats
-from viz.trace import Trace, TraceError, load_trace
+from labstate.trace import Trace, TraceError, load_trace
 
 GALLERY_DIR = Path(__file__).resolve().parent.parent / "assets" / "gallery"
 GALLERY_INDEX = GALLERY_DIR / "index.json"

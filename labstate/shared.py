@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import MedusaHeads
-from core.drafters.hydra import HydraHeads
-from core.families import FAMILIES, HYDRA, MEDUSA, family
+from core.families import FAMILIES, MEDUSA, family
 from core.kvcache import truncate
 from core.machine import median_ms
 from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
@@ -55,10 +54,6 @@ class Runtime:
     def heads(self) -> MedusaHeads:
         """The Medusa heads (fixed and dynamic trees; always present, untrained when not shipped)."""
         return self.weights[MEDUSA]
-
-    @property
-    def hydra(self) -> HydraHeads | None:
-        return self.weights.get(family(HYDRA).weights_key)
 
     @property
     def num_heads(self) -> int:

@@ -3,7 +3,7 @@
     PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python scripts/record_gallery.py [--only NAME ...]
 
 Every run goes through the lab's own code (labstate: settings, prefill, steps, the plain-greedy
-check), is exported as a trace (viz.trace) and gets its "what to notice", for the run and for the
+check), is exported as a trace (labstate.trace) and gets its "what to notice", for the run and for the
 steps that show it, found from the records themselves (no hand-picked step numbers), so the notes
 stay true when the heads change. Run it again whenever the heads or the model change.
 """

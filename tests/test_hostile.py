@@ -10,7 +10,7 @@ import pytest
 
 import labstate
 from labstate import replay
-from viz.trace import inert_text, load_trace
+from labstate.trace import inert_text, load_trace
 from viz.view import VIEW_FIELDS
 
 

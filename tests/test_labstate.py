@@ -17,7 +17,7 @@ from core.budget.cost_profile import CostProfile
 from labstate.runs import decode_config
 from labstate.shared import Runtime
 from tests.tiny import greedy_reference, tiny_base, tiny_heads
-from viz.trace import load_trace
+from labstate.trace import load_trace
 from viz.view import PROGRESS_FIELDS, build_progress, build_view
 
 PROMPT = "abcabcabcabc, and then?"

@@ -15,7 +15,7 @@ from core.strategy import parse_strategy
 from labstate import replay
 from tests.tiny import tiny_base, tiny_heads, tiny_hydra
 from viz.facts import ArBaseline, RunFacts, RunStats
-from viz.trace import MAX_TRACE_BYTES, TRACE_VERSION, TraceError, load_trace, trace_json
+from labstate.trace import MAX_TRACE_BYTES, TRACE_VERSION, TraceError, load_trace, trace_json
 from viz.view import VIEW_FIELDS, build_view
 
 REPO = Path(__file__).resolve().parent.parent

@@ -462,7 +462,7 @@ def test_the_page_lets_in_no_files_models_or_code():
     for fn in app.demo.fns.values():
         for block in fn.inputs:
             assert isinstance(block, allowed_inputs) or block is trace_upload, f"{fn.name} takes a {type(block).__name__}"
-    # the one upload is a JSON trace to replay, read as bytes and parsed as data (viz.trace), never run
+    # the one upload is a JSON trace to replay, read as bytes and parsed as data (labstate.trace), never run
     assert trace_upload.file_types == [".json"] and trace_upload.type == "binary"
     uploads = (gr.File, gr.UploadButton, gr.Image, gr.Audio, gr.Video, gr.Model3D, gr.Code, gr.Gallery)
     for block in app.demo.blocks.values():

@@ -17,7 +17,7 @@ from core.strategy import parse_strategy
 from viz.facts import RunFacts
 from viz.text_html import RunStats, emitted_tokens, heads_html, stats_html, text_html
 from viz.timing_plot import ArBaseline, accepted_figure, cumulative_figure, phase_figure
-from viz.trace import to_jsonable, trace_dict, trace_json
+from labstate.trace import to_jsonable, trace_dict, trace_json
 from viz.tree_plot import empty_figure, label_boxes, tree_figure, tree_layout
 from viz.view import build_view
 
