@@ -239,7 +239,9 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
                     yield render_progress(lab, message=latest, draw_number=number)
                     if number is not None:
                         _wait_for_the_browser(lab)
-            yield render(lab, message=latest)  # the run's last state, figures and all
+            best = labstate.most_accepted_step(lab.run)  # a finished run opens where it accepted the most
+            shown = f" Showing step {best + 1}, where a step emitted the most tokens." if best is not None else ""
+            yield render(lab, index=best, message=latest + shown)  # the run's state, figures and all
     except Exception as error:  # noqa: BLE001
         yield _answer(request, error, _user_view(request))
 

@@ -36,7 +36,7 @@ _HOMES = {
     "zerogpu": ("gpu_call", "on_zero_gpu", "records_on_start"),
     "plain": ("GreedyCheck", "PlainComparison", "Reference", "ar_baseline", "compute_check", "greedy_check",
               "reference", "speed_vs_plain"),
-    "lifecycle": ("DROPPED_STEP", "check_now", "decoding_state", "ensure_run", "export_trace", "facts_of",
+    "lifecycle": ("DROPPED_STEP", "check_now", "decoding_state", "ensure_run", "export_trace", "facts_of", "most_accepted_step",
                   "RedrawPacer", "note_page_draw", "note_page_time", "record_lab", "record_run", "require_run", "reset", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
                   "step_once", "step_run", "stop", "wait_idle"),
     # core's own, for the page (app.py reaches core through labstate alone)

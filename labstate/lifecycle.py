@@ -190,6 +190,15 @@ class RedrawPacer:
         return True
 
 
+def most_accepted_step(run: Run | None) -> int | None:
+    """The first step of a finished run that emitted the most tokens (0-based), or None: where a page
+    opens once Run to end is done (its last step is often a lone root at the end of the answer)."""
+    if run is None or not run.session.finished or not run.session.records:
+        return None
+    records = run.session.records
+    return max(range(len(records)), key=lambda i: (len(records[i].new_tokens), -i))
+
+
 def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[], bool],
                clicked_at: float | None = None, burst_s: float = 0.0) -> Iterator[str]:
     """Step to the end, yielding the status message after every step (the caller redraws), or, with

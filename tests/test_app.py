@@ -132,6 +132,8 @@ def test_start_step_run_matches_plain_greedy(url, plain_greedy, monkeypatch):
     summary = final[OUT["summary"]]
     reference = plain_greedy(PROMPT_A)
     assert summary["finished"] and summary["output_ids"] == reference
+    emitted = [len(r.new_tokens) for r in app.SESSIONS.get(client.session_hash).run.session.records]
+    assert summary["viewing_step"] == emitted.index(max(emitted)) + 1  # the step that emitted the most
     assert summary["greedy_check"]["state"] == "ok"
     assert "identical" in final[OUT["stats"]]
     assert final[OUT["plain_text"]] == labstate.runtime("fp32").base.decode(reference)

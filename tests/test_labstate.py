@@ -578,3 +578,17 @@ def test_the_run_pacer_draws_the_first_progress_whatever_the_clock_reads():
     now[0] = 3600.0
     assert pacer.due() and not pacer.due()
     assert labstate.RedrawPacer(0.0, clock=lambda: 0.0).due()
+
+
+def test_a_finished_run_opens_on_the_step_that_emitted_the_most_tokens(tiny_runtime):
+    """Issue 69: after Run to end the page shows the step with the most accepted tokens (the first of
+    them), not the run's last step, often a lone root; a run still going shows its latest."""
+    lookup = labstate.parse_settings({**SETTINGS, "strategy": "dynamic:auto+lookup", "max_new_tokens": 24})
+    lab = labstate.LabState()
+    labstate.step_once(lab, PROMPT, lookup)
+    assert labstate.most_accepted_step(lab.run) is None  # not finished
+    while not lab.run.session.finished:
+        labstate.step_once(lab, PROMPT, lookup)
+    emitted = [len(r.new_tokens) for r in lab.run.session.records]
+    assert labstate.most_accepted_step(lab.run) == emitted.index(max(emitted))
+    assert labstate.most_accepted_step(None) is None
