@@ -320,8 +320,9 @@ def on_check(request: gr.Request = None) -> tuple:
     """Run plain greedy decoding now and compare the output so far."""
     def check() -> tuple:
         lab = SESSIONS.get(_session_key(request))
-        labstate.check_now(lab)
-        return render(lab, message="Compared with a plain greedy run.")
+        verdict = labstate.check_now(lab)
+        gr.Info(verdict)  # where the eye is, beside the status line's clause
+        return render(lab, message=verdict)
     return _guarded(request, check)
 
 

@@ -236,10 +236,12 @@ def run_to_end(lab: LabState, prompt: str, settings: Settings, alive: Callable[[
         yield note
 
 
-def check_now(lab: LabState | None) -> None:
-    """Run plain greedy decoding now and compare the output so far."""
+def check_now(lab: LabState | None) -> str:
+    """Run plain greedy decoding now and compare the output so far; the verdict in words."""
     run = require_run(lab)
     compute_check(lab, run)
+    check = greedy_check(lab, run)
+    return f"Compared with a plain greedy run of this prompt: {check.text}."
 
 
 def reset(lab: LabState | None) -> None:

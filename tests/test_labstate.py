@@ -258,6 +258,8 @@ def test_start_step_run_stop_reset_on_a_tiny_model(tiny_runtime):
     whole, progress = build_view(facts, message="running"), build_progress(facts, message="running")
     assert all(getattr(progress, name) == getattr(whole, name) for name in PROGRESS_FIELDS)  # the same, unfigured
     assert load_trace(labstate.run_trace(lab)).facts.output_ids == facts.output_ids
+    verdict = labstate.check_now(lab)  # Check says its result in words (the page shows it where the eye is)
+    assert verdict.startswith("Compared with a plain greedy run of this prompt: identical")
     assert labstate.stop(lab).startswith("Stopped") and lab.run.mode == labstate.STOPPED
     labstate.reset(lab)
     assert lab.run is None and labstate.stop(lab) == "Nothing to stop."
