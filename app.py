@@ -38,7 +38,8 @@ from starlette.middleware import Middleware
 
 import labstate
 from labstate import replay
-from page import FirstInHead, header, live_controls, replay_controls, settings_event, view_panel
+from page import FirstInHead, economics_panel, header, live_controls, replay_controls, settings_event, view_panel
+from viz import economics
 from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, StepControl, View, build_progress, build_view, empty_view
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -409,6 +410,25 @@ def _look_ahead(state: replay.Replay) -> None:
         LOOK_AHEAD.submit(_recorded_view, replay.moved(state, state.shown + 1), "")
 
 
+def on_economics(*values: Any) -> tuple:
+    """The "when does a tree pay?" sliders (acceptance by depth, a step's cost) and the marked points ->
+    the figure and the sentence; values outside the sliders' ranges are refused as the settings are."""
+    *numbers, points = values
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        raise gr.Error("the sliders take numbers")
+    *acceptance, cost = (float(v) for v in numbers)
+    if not all(0.0 <= a <= 1.0 for a in acceptance) or not 1.0 <= cost <= 8.0:
+        raise gr.Error("acceptance is between 0 and 1, a step's cost between 1 and 8 plain steps")
+    return economics.economics_figure(acceptance, cost, points or []), economics.economics_sentence(acceptance, cost)
+
+
+def _wire_economics(panel: dict[str, Any]) -> None:
+    inputs = [*panel["depths"], panel["cost"], panel["points"]]
+    for slider in [*panel["depths"], panel["cost"]]:
+        slider.change(on_economics, inputs, [panel["figure"], panel["sentence"]], api_visibility="private",
+                      show_progress="hidden", queue=False)
+
+
 def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> tuple:
     try:
         return action()
@@ -531,6 +551,7 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "", record_on_start: 
                                                                   whole_runs=record_on_start)
             with gr.Column(scale=3, min_width=600):
                 panel = view_panel(RESULTS, ASSETS / "how_it_works.md")
+                _wire_economics(economics_panel(RESULTS))
         panel["recording"] = replay_box["recording"]  # drawn where the live settings are
         view = [panel[name] for name in VIEW_OUTPUT_NAMES]
         _wire_replay(replay_box, view)

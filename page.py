@@ -15,6 +15,7 @@ import gradio as gr
 
 import labstate
 from viz.view import empty_view
+from viz import economics
 from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, result_order,
                             step_trace_figure, stepped_strategies)
 from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
@@ -225,6 +226,25 @@ def view_panel(results: Path, how_it_works: Path) -> dict[str, gr.components.Com
     with gr.Accordion("How it works", open=False):
         gr.Markdown(how_it_works.read_text())
     return view
+
+
+def economics_panel(results: Path) -> dict[str, gr.components.Component]:
+    """"When does a tree pay?": sliders for the acceptance by depth and a step's cost, the arithmetic in
+    a sentence and a figure with the trees this project measured (`viz.economics`); app.py wires them."""
+    acceptance, cost = economics.DEFAULT_ACCEPTANCE, economics.DEFAULT_COST
+    points = economics.measured_points(results)
+    with gr.Accordion("When does a tree pay? Move the sliders", open=False, elem_id="economics"):
+        with gr.Row():
+            depths = [gr.Slider(0, 1, value=rate, step=0.01, label=f"accepted at depth {k + 1}, given depth {k}"
+                                if k else "accepted at depth 1", elem_id=f"economics-a{k + 1}")
+                      for k, rate in enumerate(acceptance)]
+            step_cost = gr.Slider(1, 8, value=cost, step=0.05, label="a step's cost, in plain steps (drafting + verify)",
+                                  elem_id="economics-cost")
+        sentence = gr.Markdown(economics.economics_sentence(acceptance, cost), elem_id="economics-sentence")
+        figure = gr.Plot(economics.economics_figure(acceptance, cost, points), show_label=False,
+                         elem_id="economics-plot")
+    return {"depths": depths, "cost": step_cost, "sentence": sentence, "figure": figure,
+            "points": gr.State(points)}
 
 
 def settings_event(defaults: dict[str, Any], *extra: str) -> Callable[[Callable], Callable]:

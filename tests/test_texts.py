@@ -80,3 +80,35 @@ def test_the_gallery_says_what_each_of_its_rules_does():
     assert all(json.loads((ASSETS / "gallery" / row["file"]).read_text())["meta"].get("engine") == "exact"
                for row in index if row["name"] != "bf16_near_tie")
     assert "gap 0 " not in json.dumps(near_tie["meta"]["notes"])
+
+
+def test_when_a_tree_pays_is_the_sum_the_sentence_shows():
+    """Issue 69: tokens a step = 1 + a1 + a1 a2 + ...; the speed-up is that over a step's cost in plain
+    steps, and the figure marks the sliders' point, the measured trees and the papers' 7B point."""
+    from pathlib import Path
+
+    from viz.economics import (PAPER_7B_GPU, TreePoint, economics_figure, economics_sentence, expected_tokens,
+                               measured_points)
+    assert expected_tokens([0.5, 0.5]) == 1.75 and expected_tokens([]) == 1.0
+    sentence = economics_sentence([0.5, 0.5], 1.25)
+    assert "1 + 0.50 + 0.50 x 0.50 = **1.75 tokens**" in sentence and "1.75 / 1.25 = **1.40x**" in sentence
+    assert "pays" in sentence and "loses" in economics_sentence([0.1], 2.0)
+    points = measured_points(Path(__file__).resolve().parent.parent / "assets" / "results")
+    assert points[-1].label == PAPER_7B_GPU[0] and any(p.label.startswith("CPU") for p in points)
+    cpu = next(p for p in points if p.label.startswith("CPU"))
+    assert cpu.speedup < 1 and points[-1].speedup > 3  # a tree loses on two cores, pays on a 7B GPU
+    figure = economics_figure([0.5, 0.5], 1.25, [TreePoint("x", 2.0, 4.0)])
+    ours = next(t for t in figure.data if t.name == "your setting")
+    assert list(ours.x) == [1.25] and list(ours.y) == [1.75] and "1.40x" in ours.text[0]
+
+
+def test_the_economics_sliders_refuse_what_they_cannot_hold():
+    import gradio as gr
+    import pytest
+
+    import app
+    figure, sentence = app.on_economics(0.3, 0.5, 0.7, 0.7, 1.5, [])
+    assert "tokens" in sentence and figure.data
+    for bad in ((1.5, 0.5, 0.7, 0.7, 1.5), (0.3, 0.5, 0.7, 0.7, 0.5), ("x", 0.5, 0.7, 0.7, 1.5)):
+        with pytest.raises(gr.Error):
+            app.on_economics(*bad, [])
