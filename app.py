@@ -410,6 +410,13 @@ def _look_ahead(state: replay.Replay) -> None:
         LOOK_AHEAD.submit(_recorded_view, replay.moved(state, state.shown + 1), "")
 
 
+def on_lecture() -> tuple:
+    """The Lecture preset into the prompt and the settings (the rest, the precision among them, as they are):
+    press Start or Step next."""
+    values = labstate.LECTURE_SETTINGS
+    return (labstate.LECTURE_PROMPT, *(values.get(name, gr.skip()) for name in labstate.SETTING_NAMES))
+
+
 def on_economics(*values: Any) -> tuple:
     """The "when does a tree pay?" sliders (acceptance by depth, a step's cost) and the marked points ->
     the figure and the sentence; values outside the sliders' ranges are refused as the settings are."""
@@ -569,6 +576,8 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "", record_on_start: 
         if not replay_only:
             controls["example"].input(controls["examples"].get, [controls["example"]], [controls["prompt"]],
                                       api_visibility="private", queue=False)
+            controls["lecture"].click(on_lecture, None, [controls["prompt"], *controls["settings"]],
+                                      api_visibility="private", queue=False, show_progress="hidden")
             replay_box["live"].click(on_live, None, [replay_box["state"], *view], api_visibility="private",
                                      show_progress="hidden", queue=False)
             panel["step_slider"].release(on_view, [panel["step_slider"], replay_box["state"]],

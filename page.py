@@ -86,6 +86,8 @@ def live_controls(default_prompt: str, settings_panel: Callable[[], list], whole
     examples = mt_bench_examples()
     with gr.Column(elem_id="live-controls"):  # hidden while a recording is on screen (assets/app.css)
         controls = {"examples": examples,
+                    "lecture": gr.Button("Lecture preset: heads that guess well",
+                                         size="sm", elem_id="lecture-btn"),
                     "example": gr.Dropdown(list(examples), value=None, label="MT-Bench examples", filterable=True),
                     "prompt": gr.Textbox(default_prompt, label="Prompt", lines=4, max_lines=10, elem_id="prompt")}
         if whole_runs:

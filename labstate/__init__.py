@@ -24,7 +24,7 @@ _HOMES = {
     "errors": ("LabInputError", "LabNotice", "SessionExpired"),
     "limits": ("MAX_CUSTOM_TREE_NODES", "MAX_TEMPERATURE"),
     "prompt": ("sanitize_prompt",),
-    "settings": ("AUTO_STRATEGY", "CUSTOM_TREE", "LOOKUP_STRATEGY", "PRECISIONS", "RIVAL_CHOICES", "SETTING_NAMES",
+    "settings": ("AUTO_STRATEGY", "CUSTOM_TREE", "LECTURE_PROMPT", "LECTURE_SETTINGS", "LOOKUP_STRATEGY", "PRECISIONS", "RIVAL_CHOICES", "SETTING_NAMES",
                  "STORE_STRATEGY",
                  "STRATEGY_HELP", "STRATEGY_LABELS", "UI_STRATEGIES", "Settings", "load_named_trees", "machine_precision",
                  "parse_clicked_at", "parse_custom_tree", "parse_settings", "parse_step_index"),

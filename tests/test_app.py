@@ -570,3 +570,20 @@ def test_the_pages_word_that_it_drew_reaches_its_own_sessions_run_only():
     finally:
         app.SESSIONS.drop(key)
         app.SESSIONS.drop(other)
+
+
+def test_the_lecture_preset_shows_accepted_head_paths_within_three_steps(url):
+    """Issue 69: the Lecture preset fills the prompt and a fixed-size dynamic tree (the precision stays the
+    page's); its first three Steps accept head guesses, so a class sees the method work at once."""
+    import gradio as gr
+
+    prompt, *values = app.on_lecture()
+    preset = {name: value for name, value in zip(labstate.SETTING_NAMES, values) if not isinstance(value, type(gr.skip()))}
+    assert prompt == labstate.LECTURE_PROMPT and "precision" not in preset and preset["strategy"] == "dynamic"
+    client = _client(url)
+    settings = {**preset, "precision": labstate.Settings().precision}
+    for _ in range(3):
+        _call(client, "step", prompt, **settings)
+    records = app.SESSIONS.get(client.session_hash).run.session.records
+    head_tokens = [sum(1 for n in r.outcome.accepted_nodes[1:] if r.outcome.node_source(n) == "heads") for r in records]
+    assert len(records) == 3 and sum(head_tokens) >= 2, head_tokens
