@@ -515,8 +515,9 @@ def _wire_live(controls: dict, view: list, shown_replay: gr.State) -> None:
     decode = {"show_progress": "minimal", "show_progress_on": view[:1], "concurrency_id": "decode",
               "preprocess": False}
     stamp = {"js": f"(...v) => [...v.slice(0, {len(inputs)}), Date.now()]", **decode}  # the click's time, page clock
-    run_event = controls["run"].click(on_run, [*inputs, clicked_at], view, api_name="run",
-                                      **{**stamp, "show_progress": "hidden"})  # the status line says it runs
+    # the status line's minimal tracker: while the run waits for a decoding slot it says its place in the
+    # queue ("queue: 1/2"), then the run's elapsed time beside the status the run writes itself
+    run_event = controls["run"].click(on_run, [*inputs, clicked_at], view, api_name="run", **stamp)
     start_event = controls["start"].click(on_start, inputs, view, api_name="start", cancels=[run_event], **decode)
     step_event = controls["step"].click(on_step, [*inputs, clicked_at], view, api_name="step", trigger_mode="multiple",
                                         **stamp)

@@ -409,3 +409,31 @@ def test_the_controls_column_squeezes_none_of_its_boxes(page):
     page.set_viewport_size({"width": 1280, "height": 720})
     page.wait_for_timeout(300)
     assert page.evaluate(SQUEEZED_JS) == []
+
+
+def test_a_visitor_waiting_for_a_decoding_slot_sees_its_place_in_the_queue(server, page):
+    """Issue 71: with both decoding slots held (two long runs through the API), a Run to end clicked on the
+    page waits in the server's queue, and its status line says where it stands ("queue: 1/1"); it runs
+    once a slot is free."""
+    import gradio_client
+
+    url = server[0]
+    holders = [gradio_client.Client(url, verbose=False, download_files=False) for _ in range(2)]
+    long_run = {"strategy": "ar", "precision": "fp32", "max_new_tokens": 1024}
+    jobs = [client.submit("Count from 1 to 1000, one number per line.", **long_run, api_name="/run")
+            for client in holders]
+    try:
+        deadline = time.time() + 120
+        while not all(len(job.outputs()) >= 1 for job in jobs):  # both slots busy decoding
+            assert time.time() < deadline, "the long runs did not start"
+            time.sleep(0.2)
+        page.get_by_label("Prompt", exact=True).fill("Name three rivers in Europe.")
+        _set_number(page, "max-new", 24)
+        page.locator("#run-btn").click()  # Start and Step wait with the same tracker on the status line
+        page.wait_for_function("() => /queue: \\d+\\/\\d+/.test(document.body.innerText)", timeout=UI_TIMEOUT_MS)
+    finally:
+        for client, job in zip(holders, jobs):
+            job.cancel()
+            client.predict(api_name="/stop")
+    page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
+                           timeout=UI_TIMEOUT_MS)
