@@ -52,6 +52,7 @@ QUEUE_SIZE = int(os.environ.get("MEDUSA_LAB_QUEUE_SIZE", "64"))
 SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS,
                                     idle_seconds=float(os.environ.get("MEDUSA_LAB_SESSION_IDLE_S", "1200")),
                                     per_client=int(os.environ.get("MEDUSA_LAB_SESSIONS_PER_CLIENT", "8")))
+LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")  # a request from this machine itself
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
 # Run to end redraws the page at most this often, and only the run's progress (`viz.view.Progress`: status,
@@ -130,7 +131,7 @@ def _client_address(request: gr.Request | None) -> str:
     forwarded = str(headers.get("x-forwarded-for", "") or "").split(",")[0].strip()
     if forwarded and _is_proxy(host):
         return forwarded[:64]
-    return "" if host in ("127.0.0.1", "::1", "localhost", "") else host[:64]
+    return "" if host in (*LOCAL_HOSTS, "") else host[:64]
 
 
 def _is_proxy(host: str) -> bool:
@@ -253,7 +254,7 @@ def _browser_on_this_machine(request: gr.Request | None) -> bool:
     if _from_api(request):
         return False
     host = getattr(getattr(request, "client", None), "host", "") or ""
-    return host in ("127.0.0.1", "::1", "localhost")
+    return host in LOCAL_HOSTS
 
 
 def _wait_for_the_browser(lab: labstate.LabState) -> None:

@@ -240,8 +240,8 @@ def economics_panel(results: Path) -> dict[str, gr.components.Component]:
             depths = [gr.Slider(0, 1, value=rate, step=0.01, label=f"accepted at depth {k + 1}, given depth {k}"
                                 if k else "accepted at depth 1", elem_id=f"economics-a{k + 1}")
                       for k, rate in enumerate(acceptance)]
-            step_cost = gr.Slider(1, 8, value=cost, step=0.05, label="a step's cost, in plain steps (drafting + verify)",
-                                  elem_id="economics-cost")
+            step_cost = gr.Slider(1, 8, value=cost, step=0.05, elem_id="economics-cost",
+                                  label="a step's cost, in plain steps (drafting + verify)")
         sentence = gr.Markdown(economics.economics_sentence(acceptance, cost), elem_id="economics-sentence")
         figure = gr.Plot(economics.economics_figure(acceptance, cost, points), show_label=False,
                          elem_id="economics-plot")

@@ -13,7 +13,7 @@ from core.exactness import bf16_rounding_step, divergence_from_margins, plain_ma
 from core.strategy import AUTOREGRESSIVE
 from core.tensor_thread import run_on_tensor_thread
 from labstate.limits import MAX_REFERENCES
-from viz.facts import ArBaseline
+from viz.facts import ArBaseline, ratio_verdict
 
 if TYPE_CHECKING:
     from core.records import StepRecord
@@ -133,11 +133,6 @@ def ar_baseline(lab: LabState, run: Run) -> ArBaseline:
     return ArBaseline(seconds_per_token=lab.forward_seconds.get(run.settings.precision))
 
 
-def verdict(ratio: float) -> str:
-    """wins / loses / ties for a ratio to plain decoding (within 5 %: a run's noise, no verdict)."""
-    return "wins" if ratio >= 1.05 else "loses" if ratio < 0.95 else "ties"
-
-
 def _why(run: Run, ratio: float, plain_seconds: float) -> str:
     """The ratio's own arithmetic, every term measured in this run: tokens a step times plain decoding's
     time for one token, over the step's whole time (drafting, verify, accept and commit, averaged over
@@ -154,7 +149,8 @@ def _why(run: Run, ratio: float, plain_seconds: float) -> str:
 
     step_ms = mean_ms("heads", "tree", "verify", "accept", "commit")
     plain_steps = sum(1 for r in records if _plain_step(r))
-    state = verdict(ratio)
+    state = ratio_verdict(ratio)
+
     def ms(value: float) -> str:  # three figures: the products below come out as shown
         return f"{value:.3g}"
 

@@ -111,11 +111,11 @@ class SessionRegistry:
     """Per-session LabStates keyed by Gradio's session hash, with caps and idle expiry.
 
     At most `max_sessions` live states, and at most `per_client` of one known client's (client "" is
-    unknown: the server's own machine, no cap of its own); a state unused for `idle_seconds` is dropped. Room for a new session is made by evicting a state that is not working
-    right now: first the opening client's own least recently used one (a client at its cap always
-    churns its own), then another client's, but only one unused for `protect_seconds`: a flood of new
-    sessions never takes a session someone used recently; when nothing may go, the new one is refused
-    with a "busy" message. Evicted keys are remembered (bounded) so that their owner is told the session
+    unknown: the server's own machine, no cap of its own); a state unused for `idle_seconds` is dropped.
+    Room for a new session is made by evicting a state that is not working right now: first the opening
+    client's own least recently used one (a client at its cap always churns its own), then another
+    client's, but only one unused for `protect_seconds`: a flood of new sessions never takes a session
+    someone used recently; when nothing may go, the new one is refused with a "busy" message. Evicted keys are remembered (bounded) so that their owner is told the session
     expired instead of silently getting a fresh one. Thread-safe.
     """
 

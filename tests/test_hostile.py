@@ -11,15 +11,8 @@ import pytest
 import labstate
 from labstate import replay
 from labstate.trace import inert_text, load_trace
+from tests.fakes import FakeClock
 from viz.view import VIEW_FIELDS
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- a flood of sessions --------------------------------------------------------------------------------

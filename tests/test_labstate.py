@@ -16,19 +16,12 @@ import labstate
 from core.budget.cost_profile import CostProfile
 from labstate.runs import decode_config
 from labstate.shared import Runtime
-from tests.tiny import greedy_reference, tiny_base, tiny_heads
 from labstate.trace import load_trace
+from tests.fakes import FakeClock
+from tests.tiny import greedy_reference, tiny_base, tiny_heads
 from viz.view import PROGRESS_FIELDS, build_progress, build_view
 
 PROMPT = "abcabcabcabc, and then?"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- settings -------------------------------------------------------------------------------------------

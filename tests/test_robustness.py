@@ -31,6 +31,7 @@ import labstate  # noqa: E402
 import page  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
+from tests.fakes import FakeClock  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:.*no_silent_downcasting:Warning"),
@@ -348,14 +349,6 @@ def test_custom_tree_is_used(url, plain_greedy):
 
 
 # -- the session registry ---------------------------------------------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_registry_caps_sessions_evicting_the_least_recently_used_idle_one():
     clock = FakeClock()
     registry = labstate.SessionRegistry(max_sessions=3, idle_seconds=100, clock=clock)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from viz.facts import ratio_verdict
 from viz.style import ACCEPTED, BONUS, GRID, ROOT, TEXT, figure_of
 
 # the Medusa heads' conditional acceptance by depth on MT-Bench (top-1 .324 / .177 / .124 / .091): where
@@ -52,16 +53,17 @@ def economics_sentence(acceptance: Sequence[float], cost: float) -> str:
     """The sum in words, with its numbers."""
     terms = " + ".join(["1"] + [" x ".join(f"{a:.2f}" for a in acceptance[:k + 1]) for k in range(len(acceptance))])
     tokens = expected_tokens(acceptance)
-    verdict = "pays" if tokens > cost * 1.05 else "loses" if tokens < cost * 0.95 else "ties"
+    state = ratio_verdict(tokens / cost)
     return (f"A step yields {terms} = **{tokens:.2f} tokens** and costs **{cost:.2f} plain steps**: "
-            f"{tokens:.2f} / {cost:.2f} = **{tokens / cost:.2f}x** plain decoding. The tree {verdict}.")
+            f"{tokens:.2f} / {cost:.2f} = **{tokens / cost:.2f}x** plain decoding. "
+            f"The tree {'pays' if state == 'wins' else state}.")
 
 
 def economics_figure(acceptance: Sequence[float], cost: float, points: Sequence[TreePoint]) -> object:
     """Tokens a step against what a step costs: the break-even line, the setting on the sliders and the
     marked points (this machine's measured trees, the GPU's, a 7B model's from the papers)."""
     tokens = expected_tokens(acceptance)
-    top = max([5.0, tokens * 1.15, cost * 1.15] + [p.tokens_per_step * 1.15 for p in points] + [p.cost * 1.15 for p in points])
+    top = max(5.0, 1.15 * max([tokens, cost, *(p.tokens_per_step for p in points), *(p.cost for p in points)]))
     traces = [
         {"type": "scatter", "x": [0, top], "y": [0, top], "mode": "lines", "name": "break-even: tokens = cost",
          "line": {"color": ROOT, "dash": "dash"}, "hoverinfo": "skip"},
@@ -112,7 +114,8 @@ def measured_points(results: Path) -> list[TreePoint]:
         name = max(sized, key=lambda n: int(n.split(":")[1]))
         where = "H200" if "gpu" in path.stem else "CPU"
         prompts = "MT-Bench" if "mtbench" in path.stem else "2nd set"
-        points.append(TreePoint(f"{where}, {prompts}", summary[name]["mean_accepted"], summary[name]["ms_per_step"] / plain,
-                                f"{name} ({name.split(':')[1]} nodes) on {'one H200' if where == 'H200' else 'a 2-core CPU'}, "
-                                f"{prompts}, this project's benchmark"))
+        machine = "one H200" if where == "H200" else "a 2-core CPU"
+        points.append(TreePoint(f"{where}, {prompts}", summary[name]["mean_accepted"],
+                                summary[name]["ms_per_step"] / plain,
+                                f"{name} ({name.split(':')[1]} nodes) on {machine}, {prompts}, this project's benchmark"))
     return points + [TreePoint(*PAPER_7B_GPU)]

@@ -31,6 +31,11 @@ class ArBaseline:
         return bool(self.step_seconds)
 
 
+def ratio_verdict(ratio: float) -> str:
+    """wins / loses / ties for a speed ratio to plain decoding (within 5 %: a run's noise, no verdict)."""
+    return "wins" if ratio >= 1.05 else "loses" if ratio < 0.95 else "ties"
+
+
 @dataclass(frozen=True)
 class RunStats:
     """Running totals shown above the plots."""

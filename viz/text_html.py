@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from core.families import FAMILIES, depth_label
 from core.strategy import LOOKUP
-from viz.facts import RunStats
+from viz.facts import RunStats, ratio_verdict
 from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
 from viz.style import STEP_CYCLE
 
@@ -227,7 +227,7 @@ def _tree_size_card(sizes: Sequence[int] | None) -> str:
 def _verdict(stats: RunStats, looping: bool) -> str:
     """wins / loses / ties for a measured ratio; a loop gets no winning verdict (copying drafters accept a
     loop whole, so its speed-up says nothing about other text)."""
-    state = "wins" if stats.vs_plain >= 1.05 else "loses" if stats.vs_plain < 0.95 else "ties"
+    state = ratio_verdict(stats.vs_plain)
     return "loop" if looping and state == "wins" else state
 
 

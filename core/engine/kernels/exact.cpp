@@ -538,15 +538,15 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 // can force each in turn; `int8_paths()` lists this CPU's, `set_int8_path` picks one):
 //   - scalar: plain C++, every CPU;
 //   - avx2: maddubs / madd on 256-bit vectors, a tile of rows x columns straight from the weights;
-//   - avx512-vnni: vpdpbusd on 512-bit vectors holding two output columns (8 lanes each): each
-//     thread widens a block of columns once into a buffer (nibbles to bytes, fp16 scales to floats,
-//     Q8_0's offset sums) that every row tile then reads, so the integer work of a lane is two
-//     instructions and its float work the same three as on AVX2.
+//   - avx512-vnni: vpdpbusd on 512-bit vectors holding two output columns (8 lanes each), the weights
+//     widened (nibbles to bytes, fp16 scales to floats, Q8_0's offset sums) in registers for a few rows
+//     and once per thread and column block into a buffer for many (int8_rows_vnni), so the integer
+//     work of a lane is two instructions and its float work the same three as on AVX2.
 // An integer dot product is exact whatever computes it, so the three give the same bits.
 enum Int8Path : int { INT8_SCALAR = 0, INT8_AVX2 = 1, INT8_VNNI = 2 };
 constexpr const char* INT8_PATH_NAMES[] = {"scalar", "avx2", "avx512-vnni"};
 
-#if defined(__x86_64__) && !defined(EXACT_SCALAR_INT8)
+#if defined(__x86_64__)
 #define X86_INT8 1
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -942,7 +942,6 @@ struct FromBuffer {
   VNNI_TARGET __m512 mins(int c, int64_t g) const { return buffer.mins[(cp0 + c) * groups + g]; }
 };
 
-
 template <int FMT>
 struct FromWeights {
   static constexpr bool in_registers = true;
@@ -952,7 +951,9 @@ struct FromWeights {
     prefetch_ahead<FMT>(w, first + 2 * c, p);
     return widen_pair<FMT>(w, first + 2 * c, std::min(first + 2 * c + 1, last), p);
   }
-  VNNI_TARGET __m512 mins(int c, int64_t g) const { return widen_mins(w, first + 2 * c, std::min(first + 2 * c + 1, last), g); }
+  VNNI_TARGET __m512 mins(int c, int64_t g) const {
+    return widen_mins(w, first + 2 * c, std::min(first + 2 * c + 1, last), g);
+  }
 };
 
 VNNI_TARGET inline __m512 broadcast8(const float* p) {  // 8 floats into both halves
@@ -1300,13 +1301,9 @@ void attend_shared(const AttentionQuery* queries, int count, const float* keys, 
   const int64_t shared = past + shared_new;
   auto position = [&](const AttentionQuery& query, int64_t t) { return t < past ? t : past + query.seen[t - past]; };
   for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
-  for (int64_t t = 0; t < shared; ++t) {  // shared keys: loaded once
-    const float* key = keys + position(queries[0], t) * d;
-    for (int g = 0; g < count; ++g) {
-      v16f acc{};
-      for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(queries[g].q + i), vload(key + i), acc);
-      scores[g][t] = hsum(acc) * scale;
-    }
+  for (int64_t t = 0; t < shared; ++t) {  // shared keys: loaded once, each query's score key_dots' own
+    const float* key[1] = {keys + position(queries[0], t) * d};
+    for (int g = 0; g < count; ++g) key_dots<1>(queries[g].q, key, d, scale, &scores[g][t]);
   }
   float inverse[SHARED_QUERIES];
   for (int g = 0; g < count; ++g) {  // each query's own keys, then its softmax
@@ -1481,7 +1478,8 @@ class Model {
   void attention(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past, const float* keys,
                  const float* values, int64_t capacity, float* out) const {
 #if !defined(HALF_LANES)
-    if (cfg.heads / cfg.kv_heads <= SHARED_QUERIES) return attention_shared(qkv, seen, past, keys, values, capacity, out);
+    if (cfg.heads / cfg.kv_heads <= SHARED_QUERIES)
+      return attention_shared(qkv, seen, past, keys, values, capacity, out);
 #endif
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
