@@ -185,12 +185,7 @@ inline float half_to_float(uint16_t h) {
 
 enum Format : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_1 = 3 };
 constexpr int QBLOCK = 32;
-
-// where element i of block b sits in the pair order of the 8-bit product (gguf-q8, below)
-// (the pair's two blocks alternate in 4-byte groups: 32-bit lane l holds block 2p + l % 2)
-inline int64_t pair_offset(int64_t b, int64_t i) {
-  return (b / 2) * 64 + (i / 16) * 32 + 4 * (2 * ((i % 16) / 4) + b % 2) + i % 4;
-}
+constexpr int64_t INT8_GROUP = 16;  // output columns of the 8-bit products' vector lanes
 
 int64_t row_bytes(int format, int64_t k) {
   switch (format) {
@@ -242,14 +237,16 @@ struct Weight {
   int64_t out, in, stride;
   torch::Tensor data, bias;
   const uint8_t* bytes;
-  // 8-bit activations (mode gguf-q8): the product multiplies the blocks' integers by each input
-  // row's 8-bit blocks; for it the blocks are also split into their quants [out, blocks * 16 | 32]
-  // and fp16 scales [out, padded] (d; m for Q4_1), zero-padded to whole 8-lane vectors of blocks
+  // 8-bit activations (mode gguf-q8): the blocks also packed for the lane-per-column products
+  // (pack_columns): groups of 16 output columns (zero columns past `out`), per group and block the
+  // quants as the lanes read them, the fp16 scales d (and Q4_1's m), and Q8_0's -128 x each column's
+  // block sum
   bool int8 = false;
-  int64_t padded = 0, quant_stride = 0;
-  torch::Tensor quants, scale_d, scale_m;
-  const uint8_t* quant_bytes = nullptr;  // the tensors' data, read in the hot loops without a call
-  const uint16_t *d16 = nullptr, *m16 = nullptr;
+  int64_t groups = 0;
+  torch::Tensor packed, packed_d, packed_m, packed_base;
+  const uint8_t* pq = nullptr;  // the tensors' data, read in the hot loops without a call
+  const uint16_t *pd = nullptr, *pm = nullptr;
+  const int32_t* pbase = nullptr;
 
   Weight(int format_, torch::Tensor data_, int64_t out_, int64_t in_, c10::optional<torch::Tensor> bias_,
          bool int8_activations)
@@ -263,38 +260,50 @@ struct Weight {
       bias = bias_->to(torch::kFloat32).contiguous();
       TORCH_CHECK(bias.numel() == out, "bias size");
     }
-    if (int8) split_blocks();
+    if (int8) pack_columns();
   }
 
-  // the blocks' quants in the pair order of the 8-bit product (int8_columns), zero-padded to whole
-  // pairs, and their fp16 scales apart
-  void split_blocks() {
+  // Q4_1, per group and block, 256 bytes: 4 rows of 64 (16 columns x 4 bytes), row t's byte holding
+  // element 8t + i in its low nibble and 8t + 4 + i in its high one (i = 0..3). Q8_0: 512 bytes, 8 rows
+  // of 64, row s holding elements 4s..4s+3 of each column.
+  void pack_columns() {
     TORCH_CHECK(format == Q8_0 || format == Q4_1, "8-bit activations need Q8_0 or Q4_1 blocks");
-    const int64_t blocks = in / QBLOCK, pairs = (blocks + 1) / 2, block_bytes = stride / blocks;
-    const int64_t pair_bytes = format == Q4_1 ? 32 : 64;  // Q4_1: both blocks' 16 nibble bytes, interleaved
-    padded = (blocks + 7) / 8 * 8;
-    quants = torch::zeros({out, pairs * pair_bytes}, torch::kUInt8);
-    scale_d = torch::zeros({out, padded}, torch::kInt16);
-    scale_m = torch::zeros({out, format == Q4_1 ? padded : 0}, torch::kInt16);
-    uint8_t* q = quants.data_ptr<uint8_t>();
-    int16_t* d = scale_d.data_ptr<int16_t>();
-    int16_t* m = scale_m.data_ptr<int16_t>();
-    quant_bytes = q;
-    quant_stride = pairs * pair_bytes;
-    d16 = reinterpret_cast<const uint16_t*>(d);
-    m16 = format == Q4_1 ? reinterpret_cast<const uint16_t*>(m) : nullptr;
+    const int64_t blocks = in / QBLOCK, block_bytes = stride / blocks, packed_bytes = format == Q4_1 ? 256 : 512;
+    groups = (out + INT8_GROUP - 1) / INT8_GROUP;
+    const int64_t slots = groups * blocks * INT8_GROUP;
+    packed = torch::zeros({groups * blocks * packed_bytes}, torch::kUInt8);
+    packed_d = torch::zeros({slots}, torch::kInt16);
+    packed_m = torch::zeros({format == Q4_1 ? slots : 0}, torch::kInt16);
+    packed_base = torch::zeros({format == Q8_0 ? slots : 0}, torch::kInt32);
+    uint8_t* q = packed.data_ptr<uint8_t>();
+    int16_t* d = packed_d.data_ptr<int16_t>();
+    int16_t* m = packed_m.data_ptr<int16_t>();
+    int32_t* base = packed_base.data_ptr<int32_t>();
     for (int64_t c = 0; c < out; ++c)
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = bytes + c * stride + b * block_bytes;
-        uint8_t* row = q + c * pairs * pair_bytes;
-        std::memcpy(d + c * padded + b, block, 2);
+        const int64_t at = (c / INT8_GROUP) * blocks + b, lane = c % INT8_GROUP;
+        std::memcpy(d + at * INT8_GROUP + lane, block, 2);
         if (format == Q4_1) {
-          std::memcpy(m + c * padded + b, block + 2, 2);
-          for (int k = 0; k < 16; ++k) row[(b / 2) * 32 + 4 * (2 * (k / 4) + b % 2) + k % 4] = block[4 + k];
+          std::memcpy(m + at * INT8_GROUP + lane, block + 2, 2);
+          auto nibble = [&](int j) { return j < 16 ? block[4 + j] & 0x0f : block[4 + j - 16] >> 4; };
+          for (int t = 0; t < 4; ++t)
+            for (int i = 0; i < 4; ++i)
+              q[at * 256 + 64 * t + 4 * lane + i] = static_cast<uint8_t>(nibble(8 * t + i) | nibble(8 * t + 4 + i) << 4);
         } else {
-          for (int i = 0; i < QBLOCK; ++i) row[pair_offset(b, i)] = block[2 + i];
+          int32_t sum = 0;
+          for (int s = 0; s < 8; ++s)
+            for (int i = 0; i < 4; ++i) {
+              q[at * 512 + 64 * s + 4 * lane + i] = block[2 + 4 * s + i];
+              sum += static_cast<int8_t>(block[2 + 4 * s + i]);
+            }
+          base[at * INT8_GROUP + lane] = -128 * sum;
         }
       }
+    pq = q;
+    pd = reinterpret_cast<const uint16_t*>(d);
+    pm = format == Q4_1 ? reinterpret_cast<const uint16_t*>(m) : nullptr;
+    pbase = format == Q8_0 ? base : nullptr;
   }
 
   // rows [first, first + count) of the weight as fp32 in dst [count, in] (or a pointer into the
@@ -523,25 +532,23 @@ inline void tail_rows(int64_t rows, const float* x, int64_t k, const float* w, f
 }
 
 
-// ---- 8-bit activations (mode gguf-q8): llama.cpp's arithmetic, row-invariant ----------------------
+// ---- 8-bit activations (mode gguf-q8): one arithmetic, row-invariant ---------------------------
 // Each input row is cut into blocks of 32 and rounded to 8 bits per block, on its own (d = amax / 127,
-// q = round(x / d), s = d * sum(q)): a row's integers never depend on the other rows. Blocks go in
-// pairs (2p, 2p + 1): a pair's low halves (elements 0-15 of each) fill one 256-bit vector, the two
-// blocks alternating in groups of 4 bytes, and its high halves another, weights and activations
-// alike, so after the integer dot products (exact) 32-bit lane l holds block 2p + l % 2's sums and
-// each lane's scale is one of two fp16 numbers read together. Per output element, per pair:
-// acc = fma(isum * dw, dx, acc) in 8 float lanes, pairs in order, then the fixed 8-lane sum and
-// Q4_1's minimum term (an 8-lane sum of mw * s over the blocks). The same sequence for every row,
-// whatever the row count or the tile.
-// Three implementations of that one arithmetic, chosen at run time (CPUID through
-// __builtin_cpu_supports, never by the build's flags, so one build serves every x86 CPU and a test
-// can force each in turn; `int8_paths()` lists this CPU's, `set_int8_path` picks one):
-//   - scalar: plain C++, every CPU;
-//   - avx2: maddubs / madd on 256-bit vectors, a tile of rows x columns straight from the weights;
-//   - avx512-vnni: vpdpbusd on 512-bit vectors holding two output columns (8 lanes each), the weights
-//     widened (nibbles to bytes, fp16 scales to floats, Q8_0's offset sums) in registers for a few rows
-//     and once per thread and column block into a buffer for many (int8_rows_vnni), so the integer
-//     work of a lane is two instructions and its float work the same three as on AVX2.
+// q = round(x / d), s = d * sum(q)): a row's integers never depend on the other rows. Per output element
+// (row r, column c), over the blocks b in order, from acc = 0:
+//   acc = fma(float(isum_b), dw_b * dx_b, acc)    isum_b = the block's integer dot product (exact)
+//   Q4_1 then: acc = fma(mw_b, s_b, acc)           its minimum times the inputs' block sum
+// (one chain of fused multiply-adds per output, bias added after): the same sequence for every row,
+// whatever the row count, the tile or the implementation.
+// Three implementations, chosen at run time (CPUID through __builtin_cpu_supports, never by the build's
+// flags, so one build serves every x86 CPU and a test can force each in turn; `int8_paths()` lists this
+// CPU's, `set_int8_path` picks one):
+//   - scalar: plain C++ over the GGUF's blocks as they are, every CPU;
+//   - avx2 and avx512-vnni: a vector lane is an output column (8 / 16 a register) running down K four
+//     bytes at a time (maddubs + madd / vpdpbusd against the row's 4 bytes in every lane), so a block's
+//     sums come out whole, one per lane, and its float work is three instructions per 16 outputs (four
+//     for Q4_1) for 32 products each. The weights are packed once at load (Weight::pack_columns) into
+//     groups of 16 columns, each block's quants in the order the lanes read them.
 // An integer dot product is exact whatever computes it, so the three give the same bits.
 enum Int8Path : int { INT8_SCALAR = 0, INT8_AVX2 = 1, INT8_VNNI = 2 };
 constexpr const char* INT8_PATH_NAMES[] = {"scalar", "avx2", "avx512-vnni"};
@@ -573,34 +580,19 @@ int best_int8_path() {
 }
 
 int g_int8_path = best_int8_path();  // set once at import, or by a test through set_int8_path
-bool g_int8_auto = true;             // the path follows the row count (below)
-
-// auto: avx512-vnni from 2 rows; one row (a plain step, bound by memory) measures the same either way
-// and keeps avx2's tile. The shipped model's gguf-q8 forward + logits over a 100-token cache, one run,
-// 2-core Zen 5, ms avx2 / avx512-vnni: 1 row 2.90 / 2.89, 2 rows 3.35 / 3.03, 4 rows 5.18 / 3.92,
-// 8 rows 9.67 / 6.61, 16 rows 18.6 / 12.2, 64 rows 74.4 / 47.5.
-constexpr int64_t VNNI_FEWEST_ROWS = 2;
-constexpr int64_t VNNI_DIRECT_ROWS = 8;  // see int8_rows_vnni
-
-inline int int8_path_for(int64_t n) {
-  return g_int8_auto && n < VNNI_FEWEST_ROWS && g_int8_path == INT8_VNNI ? INT8_AVX2 : g_int8_path;
-}
+bool g_int8_auto = true;             // auto: the fastest path this CPU has, for every row count
 
 struct ActivationBlocks {
-  int64_t n, blocks, pairs, padded;  // padded: blocks rounded up to whole 8-lane vectors
-  std::vector<int8_t> q;             // [n, pairs * 64], pair order, zero in a padding block
-  std::vector<float> scale;          // [n, pairs * 8]: d of block 2p in even lanes, of 2p + 1 in odd ones
-  std::vector<float> sums;           // [n, padded]: each block's d * sum(q), zero past the last block
+  int64_t n, blocks;
+  std::vector<int8_t> q;  // [n, blocks * 32], in element order
+  std::vector<float> d;   // [n, blocks]: each block's scale
+  std::vector<float> s;   // [n, blocks]: d * sum(q)
 };
 
-inline float hsum8_scalar(const float* v) {  // hsum8's tree, on scalars
-  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
-
 // one block of 32 inputs to 8 bits: its scale d = amax / 127, q = x / d rounded to nearest (ties to
-// even: the CPU's rounding, the same in both versions), written at block b's places of the pair order
+// even: the CPU's rounding, the same in both versions)
 #if X86_INT8
-AVX2_TARGET inline void quantize_block_avx2(const float* v, int64_t b, int8_t* q, float& d, int32_t& sum) {
+AVX2_TARGET inline void quantize_block_avx2(const float* v, int8_t* q, float& d, int32_t& sum) {
   __m256 x[4];
   __m256 amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -623,13 +615,11 @@ AVX2_TARGET inline void quantize_block_avx2(const float* v, int64_t b, int8_t* q
   const __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  alignas(32) int8_t ordered[QBLOCK];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(ordered), bytes);
-  for (int i = 0; i < QBLOCK; i += 4) std::memcpy(q + pair_offset(b, i), ordered + i, 4);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
 }
 #endif
 
-inline void quantize_block_scalar(const float* v, int64_t b, int8_t* q, float& d, int32_t& sum) {
+inline void quantize_block_scalar(const float* v, int8_t* q, float& d, int32_t& sum) {
   float amax = 0.0f;
   for (int i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
   d = amax / 127.0f;
@@ -637,7 +627,7 @@ inline void quantize_block_scalar(const float* v, int64_t b, int8_t* q, float& d
   sum = 0;
   for (int i = 0; i < QBLOCK; ++i) {
     const int32_t value = static_cast<int32_t>(std::nearbyint(v[i] * inverse));
-    q[pair_offset(b, i)] = static_cast<int8_t>(value);
+    q[i] = static_cast<int8_t>(value);
     sum += value;
   }
 }
@@ -648,26 +638,21 @@ inline void quantize_block_scalar(const float* v, int64_t b, int8_t* q, float& d
 constexpr int64_t QUANTIZE_PARALLEL_ROWS = 16;
 
 ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k, int path) {
-  const int64_t blocks = k / QBLOCK, pairs = (blocks + 1) / 2;
-  ActivationBlocks a{n, blocks, pairs, (blocks + 7) / 8 * 8, {}, {}, {}};
-  a.q.assign(n * pairs * 64, 0);
-  a.scale.assign(n * pairs * 8, 0.0f);
-  a.sums.assign(n * a.padded, 0.0f);
+  const int64_t blocks = k / QBLOCK;
+  ActivationBlocks a{n, blocks, std::vector<int8_t>(n * k), std::vector<float>(n * blocks),
+                     std::vector<float>(n * blocks)};
   auto round_rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* v = x + r * k + b * QBLOCK;
-        int8_t* q = a.q.data() + r * pairs * 64;
-        float d;
+        const int64_t at = r * blocks + b;
         int32_t sum;
 #if X86_INT8
-        if (path != INT8_SCALAR) quantize_block_avx2(v, b, q, d, sum);
-        else quantize_block_scalar(v, b, q, d, sum);
+        if (path != INT8_SCALAR) quantize_block_avx2(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], sum);
+        else quantize_block_scalar(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], sum);
 #else
-        quantize_block_scalar(v, b, q, d, sum);
+        quantize_block_scalar(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], sum);
 #endif
-        for (int64_t l = b % 2; l < 8; l += 2) a.scale[r * pairs * 8 + (b / 2) * 8 + l] = d;
-        a.sums[r * a.padded + b] = d * static_cast<float>(sum);
+        a.s[at] = a.d[at] * static_cast<float>(sum);
       }
   };
   if (n < QUANTIZE_PARALLEL_ROWS) round_rows(0, n);
@@ -675,398 +660,213 @@ ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k, int path) {
   return a;
 }
 
-#if X86_INT8
-AVX2_TARGET inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // v[i] + v[i + 4]
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));                                          // (0 + 2), (1 + 3)
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-
-// Q4_1's minimum term: sum over blocks of m * (d * sum(q)), in 8 lanes, blocks in order
-AVX2_TARGET inline __m256 minimum_sums(const uint16_t* m16, const float* sx, int64_t padded) {
-  __m256 m = _mm256_setzero_ps();
-  for (int64_t b = 0; b < padded; b += 8) {
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + b)));
-    m = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), m);
+// ---- scalar: the arithmetic as written, from the GGUF's blocks ----
+// Not auto-vectorised: GCC 12.2 at -O3 with AVX512-VNNI turns the signed-byte dot product below into
+// vpdpbusd, which reads one operand as unsigned (wrong sums: a 32-byte Q8_0 block gave -6000 for -15984)
+template <int FMT>
+__attribute__((optimize("no-tree-vectorize"))) float int8_dot_scalar(const ActivationBlocks& a, int64_t r, const Weight& w, int64_t c) {
+  const int8_t* x = a.q.data() + r * a.blocks * QBLOCK;
+  const uint8_t* row = w.bytes + c * w.stride;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < a.blocks; ++b, x += QBLOCK) {
+    int32_t isum = 0;
+    uint16_t dh, mh = 0;
+    if constexpr (FMT == Q4_1) {  // element j: the low nibble of byte j, element j + 16 its high nibble
+      const uint8_t* block = row + b * 20;
+      std::memcpy(&dh, block, 2);
+      std::memcpy(&mh, block + 2, 2);
+      for (int j = 0; j < 16; ++j) isum += (block[4 + j] & 0x0f) * x[j] + (block[4 + j] >> 4) * x[j + 16];
+    } else {
+      const uint8_t* block = row + b * 34;
+      std::memcpy(&dh, block, 2);
+      for (int j = 0; j < QBLOCK; ++j) isum += static_cast<int8_t>(block[2 + j]) * x[j];
+    }
+    const int64_t at = r * a.blocks + b;
+    acc = std::fma(static_cast<float>(isum), half_to_float(dh) * a.d[at], acc);
+    if constexpr (FMT == Q4_1) acc = std::fma(half_to_float(mh), a.s[at], acc);
   }
-  return m;
+  return acc;
 }
 
-// R rows x C columns: w the first column's quants (stride bytes apart), d16 / m16 its fp16 scales
-template <int FMT, int R, int C>
-AVX2_TARGET inline void int8_columns_avx2(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                                          const uint16_t* d16, const uint16_t* m16, int64_t padded, float* out,
-                                          int64_t ldo) {
-  const int64_t pairs = a.pairs, lane_stride = pairs * 8;
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+template <int FMT>
+void int8_groups_scalar(const ActivationBlocks& a, const Weight& w, int64_t g_begin, int64_t g_end, float* out) {
+  const int64_t last = std::min(g_end * INT8_GROUP, w.out);
+  for (int64_t r = 0; r < a.n; ++r)
+    for (int64_t c = g_begin * INT8_GROUP; c < last; ++c) out[r * w.out + c] = int8_dot_scalar<FMT>(a, r, w, c);
+}
+
+#if X86_INT8
+// ---- avx2: 8 columns a register, a 16-column group as two halves ----
+AVX2_TARGET inline __m256i every_lane4(const int8_t* p) {  // 4 bytes in each 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows x the 16 columns of group g
+template <int FMT, int R>
+AVX2_TARGET void avx2_group(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t g, float* out) {
+  const int64_t blocks = a.blocks;
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0f);
-  constexpr int64_t pair_bytes = FMT == Q4_1 ? 32 : 64;
-  for (int64_t p = 0; p < pairs; ++p) {
-    // the bytes 4 column groups on, at this place: memory latency, not arithmetic, bounds a one-row
-    // step (1 or 8 groups on did less)
-    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * C * stride + p * pair_bytes), _MM_HINT_T0);
-    if constexpr (FMT == Q8_0)
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * C * stride + p * pair_bytes + 32), _MM_HINT_T0);
-    __m256i low[C], high[C];
-    __m256 dw[C];  // d of blocks 2p and 2p + 1, alternating, as the lanes hold them
-    for (int c = 0; c < C; ++c) {
-      int32_t both;
-      std::memcpy(&both, d16 + c * padded + 2 * p, 4);
-      dw[c] = _mm256_cvtph_ps(_mm_set1_epi32(both));
-      if constexpr (FMT == Q4_1) {  // low nibbles: elements 0-15 of both blocks; high: 16-31
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 32));
-        low[c] = _mm256_and_si256(v, nibble);
-        high[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      } else {
-        low[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 64));
-        high[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + p * 64 + 32));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.q.data() + (row + r) * pairs * 64 + p * 64;
-      const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-      const __m256 dx = _mm256_loadu_ps(a.scale.data() + (row + r) * lane_stride + p * 8);
-      for (int c = 0; c < C; ++c) {
-        __m256i isum;
-        if constexpr (FMT == Q4_1) {  // nibble x byte pairs stay within 16 bits, two halves too (<= 7620)
-          const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(low[c], x_low),
-                                                   _mm256_maddubs_epi16(high[c], x_high));
-          isum = _mm256_madd_epi16(pairs16, ones);
-        } else {  // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the activation
-          const __m256i lo = _mm256_maddubs_epi16(_mm256_sign_epi8(low[c], low[c]),
-                                                  _mm256_sign_epi8(x_low, low[c]));
-          const __m256i hi = _mm256_maddubs_epi16(_mm256_sign_epi8(high[c], high[c]),
-                                                  _mm256_sign_epi8(x_high, high[c]));
-          isum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = g * blocks + b;
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q.data() + ((row + r) * blocks + b) * QBLOCK;
+    __m256i isum[R][2];
+    if constexpr (FMT == Q4_1) {
+      // nibble x byte pairs are at most 2 * 15 * 127: a whole block's 16 of them per lane fit 16 bits
+      __m256i pairs16[R][2];
+      for (int r = 0; r < R; ++r) pairs16[r][0] = pairs16[r][1] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pq + at * 256 + 64 * t + 32 * h));
+          const __m256i low = _mm256_and_si256(packed, nibble);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+          for (int r = 0; r < R; ++r)
+            pairs16[r][h] = _mm256_add_epi16(pairs16[r][h],
+                                             _mm256_add_epi16(_mm256_maddubs_epi16(low, every_lane4(x[r] + 8 * t)),
+                                                              _mm256_maddubs_epi16(high, every_lane4(x[r] + 8 * t + 4))));
         }
-        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw[c]);
-        acc[r][c] = _mm256_fmadd_ps(scaled, dx, acc[r][c]);
-      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) isum[r][h] = _mm256_madd_epi16(pairs16[r][h], ones);
+    } else {  // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the input
+      for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pq + at * 512 + 64 * s + 32 * h));
+          const __m256i magnitude = _mm256_sign_epi8(weights, weights);
+          for (int r = 0; r < R; ++r) {
+            const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(every_lane4(x[r] + 4 * s), weights));
+            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(products, ones));
+          }
+        }
     }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float value = hsum8(acc[r][c]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.pd + at * INT8_GROUP + 8 * h)));
+      __m256 mw = _mm256_setzero_ps();
       if constexpr (FMT == Q4_1)
-        value += hsum8(minimum_sums(m16 + c * padded, a.sums.data() + (row + r) * padded, padded));
-      out[r * ldo + c] = value;
+        mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.pm + at * INT8_GROUP + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (row + r) * blocks + b;
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[xb]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), scale, acc[r][h]);
+        if constexpr (FMT == Q4_1) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[xb]), acc[r][h]);
+      }
     }
+  }
+  const int64_t first = g * INT8_GROUP, cols = std::min<int64_t>(INT8_GROUP, w.out - first);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float values[INT8_GROUP];
+    _mm256_store_ps(values, acc[r][0]);
+    _mm256_store_ps(values + 8, acc[r][1]);
+    std::memcpy(out + (row + r) * w.out + first, values, cols * sizeof(float));
+  }
 }
-#endif
 
-// the same arithmetic on scalars (lane l of a pair: elements 4j..4j+3 and 16+4j..16+4j+3, j = l / 2, of
-// block 2p + l % 2)
+template <int FMT>
+AVX2_TARGET void int8_groups_avx2(const ActivationBlocks& a, const Weight& w, int64_t g_begin, int64_t g_end,
+                                  float* out) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    int64_t r = 0;
+    for (; r + 2 <= a.n; r += 2) avx2_group<FMT, 2>(a, r, w, g, out);
+    if (r < a.n) avx2_group<FMT, 1>(a, r, w, g, out);
+  }
+}
+
+// ---- avx512-vnni: 16 columns a register ----
+VNNI_TARGET inline __m512i every_lane4_512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows x C groups from group g0 (R x C accumulators, their block sums and C groups' weights in 32 zmm)
 template <int FMT, int R, int C>
-inline void int8_columns_scalar(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                                const uint16_t* d16, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
-  const int64_t pairs = a.pairs, lane_stride = pairs * 8;
+VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t g0, float* out) {
+  const int64_t blocks = a.blocks;
+  const __m512i nibble = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const int8_t* xq = a.q.data() + (row + r) * pairs * 64;
-      const uint8_t* wq = w + c * stride;
-      float acc[8] = {}, mins[8] = {};
-      for (int64_t p = 0; p < pairs; ++p)
-        for (int l = 0; l < 8; ++l) {
-          int32_t isum = 0;
-          for (int half = 0; half < 2; ++half)
-            for (int i = 0; i < 4; ++i) {
-              // pair order: 4-byte group l holds block 2p + l % 2 (`pair_offset`)
-              const int64_t at = p * 64 + half * 32 + 4 * l + i;
-              const uint8_t packed = wq[p * 32 + 4 * l + i];  // Q4_1: low nibbles the low half, high the high
-              const int32_t wi = FMT == Q4_1 ? (half == 0 ? packed & 0x0f : packed >> 4)
-                                             : static_cast<int8_t>(wq[at]);
-              isum += wi * xq[at];
-            }
-          const float scaled = static_cast<float>(isum) * half_to_float(d16[c * padded + 2 * p + l % 2]);
-          acc[l] = std::fma(scaled, a.scale[(row + r) * lane_stride + p * 8 + l], acc[l]);
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q.data() + ((row + r) * blocks + b) * QBLOCK;
+    __m512i isum[R][C];
+    if constexpr (FMT == Q4_1) {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {  // elements 8t..8t+3 in the low nibbles, 8t+4..8t+7 in the high
+        __m512i low[C], high[C];
+        for (int c = 0; c < C; ++c) {
+          const __m512i packed = _mm512_loadu_si512(w.pq + ((g0 + c) * blocks + b) * 256 + 64 * t);
+          low[c] = _mm512_and_si512(packed, nibble);
+          high[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
         }
-      float value = hsum8_scalar(acc);
-      if (FMT == Q4_1) {
-        for (int64_t b = 0; b < padded; ++b)
-          mins[b % 8] = std::fma(half_to_float(m16[c * padded + b]), a.sums[(row + r) * padded + b], mins[b % 8]);
-        value += hsum8_scalar(mins);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x_low = every_lane4_512(x[r] + 8 * t), x_high = every_lane4_512(x[r] + 8 * t + 4);
+          for (int c = 0; c < C; ++c)
+            isum[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][c], low[c], x_low), high[c], x_high);
+        }
       }
-      out[r * ldo + c] = value;
+    } else {  // signed weights: the inputs + 128 (unsigned), each lane started at -128 x its weights' sum
+      for (int c = 0; c < C; ++c) {
+        const __m512i base = _mm512_loadu_si512(w.pbase + ((g0 + c) * blocks + b) * INT8_GROUP);
+        for (int r = 0; r < R; ++r) isum[r][c] = base;
+      }
+      for (int s = 0; s < 8; ++s) {
+        __m512i weights[C];
+        for (int c = 0; c < C; ++c) weights[c] = _mm512_loadu_si512(w.pq + ((g0 + c) * blocks + b) * 512 + 64 * s);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x_unsigned = _mm512_xor_si512(every_lane4_512(x[r] + 4 * s), offset);
+          for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], x_unsigned, weights[c]);
+        }
+      }
     }
-}
-
-template <int FMT, int R, int C, int PATH>
-inline void int8_columns(const ActivationBlocks& a, int64_t row, const uint8_t* w, int64_t stride,
-                         const uint16_t* d16, const uint16_t* m16, int64_t padded, float* out, int64_t ldo) {
-#if X86_INT8
-  if constexpr (PATH == INT8_AVX2) {
-    int8_columns_avx2<FMT, R, C>(a, row, w, stride, d16, m16, padded, out, ldo);
-    return;
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (g0 + c) * blocks + b;
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pd + at * INT8_GROUP)));
+      __m512 mw = _mm512_setzero_ps();
+      if constexpr (FMT == Q4_1)
+        mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pm + at * INT8_GROUP)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (row + r) * blocks + b;
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[xb]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]), scale, acc[r][c]);
+        if constexpr (FMT == Q4_1) acc[r][c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[xb]), acc[r][c]);
+      }
+    }
   }
-#endif
-  int8_columns_scalar<FMT, R, C>(a, row, w, stride, d16, m16, padded, out, ldo);
+  for (int c = 0; c < C; ++c) {
+    const int64_t first = (g0 + c) * INT8_GROUP, cols = std::min<int64_t>(INT8_GROUP, w.out - first);
+    const __mmask16 mask = cols >= INT8_GROUP ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (row + r) * w.out + first, mask, acc[r][c]);
+  }
 }
 
-template <int FMT, int R, int PATH>
-inline void int8_block(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t first, int64_t cols,
-                       float* out) {
-  // R * C accumulators, 2 C weight halves and C scales within 16 ymm registers (measured on a Zen 3:
-  // 2 columns from 3 rows on spill, 4 at one row are slower)
-  constexpr int C = FMT == Q4_1 && R <= 2 ? 2 : 1;
-  const int64_t stride = w.quant_stride;
-  const uint8_t* q = w.quant_bytes + first * stride;
-  const uint16_t* m16 = FMT == Q4_1 ? w.m16 + first * w.padded : nullptr;
-  float* o = out + row * w.out + first;
-  int64_t c = 0;
-  for (; c + C <= cols; c += C)
-    int8_columns<FMT, R, C, PATH>(a, row, q + c * stride, stride, w.d16 + (first + c) * w.padded,
-                                  m16 ? m16 + c * w.padded : nullptr, w.padded, o + c, w.out);
-  for (; c < cols; ++c)
-    int8_columns<FMT, R, 1, PATH>(a, row, q + c * stride, stride, w.d16 + (first + c) * w.padded,
-                                  m16 ? m16 + c * w.padded : nullptr, w.padded, o + c, w.out);
-}
-
-template <int FMT, int PATH>
-inline void int8_rows(const ActivationBlocks& a, const Weight& w, int64_t first, int64_t cols, float* out) {
+// every row for C groups from g0: each group's weights read from cache by every row tile after the first
+template <int FMT, int C>
+VNNI_TARGET void vnni_rows(const ActivationBlocks& a, const Weight& w, int64_t g0, float* out) {
   for (int64_t r = 0; r < a.n; r += 4) {
     switch (std::min<int64_t>(a.n - r, 4)) {
-      case 1: int8_block<FMT, 1, PATH>(a, r, w, first, cols, out); break;
-      case 2: int8_block<FMT, 2, PATH>(a, r, w, first, cols, out); break;
-      case 3: int8_block<FMT, 3, PATH>(a, r, w, first, cols, out); break;
-      default: int8_block<FMT, 4, PATH>(a, r, w, first, cols, out); break;
+      case 1: vnni_tile<FMT, 1, C>(a, r, w, g0, out); break;
+      case 2: vnni_tile<FMT, 2, C>(a, r, w, g0, out); break;
+      case 3: vnni_tile<FMT, 3, C>(a, r, w, g0, out); break;
+      default: vnni_tile<FMT, 4, C>(a, r, w, g0, out); break;
     }
   }
 }
 
-#if X86_INT8
-// ---- avx512-vnni: two columns a register -------------------------------------------------------
-// A column pair's pair p, widened once per thread and column block (VnniPair, 256 bytes): lanes
-// 0-7 are column c, lanes 8-15 column c + 1 (c itself again for an odd last column, never stored).
-// Q4_1: the nibbles as bytes (unsigned, vpdpbusd's first operand). Q8_0: the signed weights, and
-// `base` = -128 * (a lane's 8 weights summed), so that starting each lane's integer sum there and
-// multiplying by the activations + 128 (unsigned) leaves exactly the signed dot product.
-struct alignas(64) VnniPair {
-  __m512i low, high;
-  __m512 dw;
-  __m512i base;
-};
-
-struct VnniBuffer {
-  std::vector<VnniPair> pairs;  // [column pairs, pairs]
-  std::vector<__m512> mins;     // Q4_1: [column pairs, padded / 8], m of 8 blocks of each column
-};
-
-VNNI_TARGET inline __m512i two_columns(const uint8_t* w0, const uint8_t* w1) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1)), 1);
-}
-
-VNNI_TARGET inline __m512 two_halves(const uint16_t* h0, const uint16_t* h1) {  // 8 fp16 of each column
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h0))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(h1)), 1));
-}
-
-// column pair (c0, c1)'s pair p as vpdpbusd takes it
 template <int FMT>
-VNNI_TARGET inline VnniPair widen_pair(const Weight& w, int64_t c0, int64_t c1, int64_t p) {
-  constexpr int64_t pair_bytes = FMT == Q4_1 ? 32 : 64;
-  const uint8_t* w0 = w.quant_bytes + c0 * w.quant_stride + p * pair_bytes;
-  const uint8_t* w1 = w.quant_bytes + c1 * w.quant_stride + p * pair_bytes;
-  VnniPair v;
-  if constexpr (FMT == Q4_1) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const __m512i packed = two_columns(w0, w1);
-    v.low = _mm512_and_si512(packed, nibble);
-    v.high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    v.base = _mm512_setzero_si512();
-  } else {
-    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    v.low = two_columns(w0, w1);
-    v.high = two_columns(w0 + 32, w1 + 32);
-    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, v.low),
-                                            offset, v.high);
-    v.base = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
-  }
-  int32_t d0, d1;
-  std::memcpy(&d0, w.d16 + c0 * w.padded + 2 * p, 4);
-  std::memcpy(&d1, w.d16 + c1 * w.padded + 2 * p, 4);
-  v.dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(d0)),
-                                                 _mm_set1_epi32(d1), 1));
-  return v;
+VNNI_TARGET void int8_groups_vnni(const ActivationBlocks& a, const Weight& w, int64_t g_begin, int64_t g_end,
+                                  float* out) {
+  int64_t g = g_begin;
+  if (a.n <= 2)  // a few rows: 4 groups a tile, more weight streams in flight
+    for (; g + 4 <= g_end; g += 4) vnni_rows<FMT, 4>(a, w, g, out);
+  for (; g + 2 <= g_end; g += 2) vnni_rows<FMT, 2>(a, w, g, out);
+  for (; g < g_end; ++g) vnni_rows<FMT, 1>(a, w, g, out);
 }
-
-// the bytes of pair p of columns c0 + PREFETCH_COLUMNS and the next one: a few rows are bound by memory's
-// latency (2-core Zen 5, the shipped model's gguf-q8 forward of 4 rows: 4.44 -> 3.73 ms)
-constexpr int64_t PREFETCH_COLUMNS = 8;
-
-template <int FMT>
-VNNI_TARGET inline void prefetch_ahead(const Weight& w, int64_t c0, int64_t p) {
-  constexpr int64_t pair_bytes = FMT == Q4_1 ? 32 : 64;
-  const uint8_t* ahead = w.quant_bytes + (c0 + PREFETCH_COLUMNS) * w.quant_stride + p * pair_bytes;
-  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(ahead + w.quant_stride), _MM_HINT_T0);
-  if constexpr (FMT == Q8_0) {
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + w.quant_stride + 32), _MM_HINT_T0);
-  }
-}
-
-// Q4_1: m of blocks 8g..8g+7 of columns c0 and c1
-VNNI_TARGET inline __m512 widen_mins(const Weight& w, int64_t c0, int64_t c1, int64_t g) {
-  return two_halves(w.m16 + c0 * w.padded + 8 * g, w.m16 + c1 * w.padded + 8 * g);
-}
-
-template <int FMT>
-VNNI_TARGET inline void widen_vnni(const Weight& w, int64_t first, int64_t cols, int64_t pairs, VnniBuffer& dst) {
-  const int64_t column_pairs = (cols + 1) / 2, groups = w.padded / 8;
-  dst.pairs.resize(column_pairs * pairs);
-  if constexpr (FMT == Q4_1) dst.mins.resize(column_pairs * groups);
-  for (int64_t cp = 0; cp < column_pairs; ++cp) {
-    const int64_t c0 = first + 2 * cp, c1 = std::min(c0 + 1, first + cols - 1);
-    for (int64_t p = 0; p < pairs; ++p) {
-      prefetch_ahead<FMT>(w, c0, p);
-      dst.pairs[cp * pairs + p] = widen_pair<FMT>(w, c0, c1, p);
-    }
-    if constexpr (FMT == Q4_1)
-      for (int64_t g = 0; g < groups; ++g) dst.mins[cp * groups + g] = widen_mins(w, c0, c1, g);
-  }
-}
-
-// Where a tile reads its column pairs: the thread's widened buffer (many rows: widened once, read by every
-// row tile), or the weights themselves (a few rows: widened in registers, once per tile and pair)
-struct FromBuffer {
-  static constexpr bool in_registers = false;
-  const VnniBuffer& buffer;
-  int64_t pairs, groups, cp0;
-  VNNI_TARGET const VnniPair& pair(int c, int64_t p) const { return buffer.pairs[(cp0 + c) * pairs + p]; }
-  VNNI_TARGET __m512 mins(int c, int64_t g) const { return buffer.mins[(cp0 + c) * groups + g]; }
-};
-
-template <int FMT>
-struct FromWeights {
-  static constexpr bool in_registers = true;
-  const Weight& w;
-  int64_t first, last;  // the tile's first and last column
-  VNNI_TARGET VnniPair pair(int c, int64_t p) const {
-    prefetch_ahead<FMT>(w, first + 2 * c, p);
-    return widen_pair<FMT>(w, first + 2 * c, std::min(first + 2 * c + 1, last), p);
-  }
-  VNNI_TARGET __m512 mins(int c, int64_t g) const {
-    return widen_mins(w, first + 2 * c, std::min(first + 2 * c + 1, last), g);
-  }
-};
-
-VNNI_TARGET inline __m512 broadcast8(const float* p) {  // 8 floats into both halves
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
-}
-
-// hsum8's tree on each half at once: lane 0 holds the low half's sum, lane 8 the high half's
-VNNI_TARGET inline __m512 hsum8_halves(__m512 v) {
-  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));  // v[i] + v[i + 4]
-  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4e));        // (0 + 2), (1 + 3)
-  return _mm512_add_ps(v, _mm512_movehdup_ps(v));          // + (1 + 3)
-}
-
-template <int FMT>
-VNNI_TARGET inline void vnni_lanes(const VnniPair& pair, __m512i x_low, __m512i x_high, __m512 dx, __m512& acc) {
-  __m512i isum;
-  if constexpr (FMT == Q4_1)
-    isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair.low, x_low), pair.high, x_high);
-  else
-    isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(pair.base, x_low, pair.low), x_high, pair.high);
-  acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), pair.dw), dx, acc);
-}
-
-// R rows x CP column pairs (the tile's `cols` columns from `first`), read through `src`
-template <int FMT, int R, int CP, typename Source>
-VNNI_TARGET inline void vnni_tile(const ActivationBlocks& a, int64_t row, const Source& src, const Weight& w,
-                                  int64_t first, int64_t cols, float* out) {
-  const int64_t pairs = a.pairs;
-  __m512 acc[R][CP];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CP; ++c) acc[r][c] = _mm512_setzero_ps();
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t p = 0; p < pairs; ++p) {
-    VnniPair held[Source::in_registers ? CP : 1];
-    if constexpr (Source::in_registers)
-      for (int c = 0; c < CP; ++c) held[c] = src.pair(c, p);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.q.data() + (row + r) * pairs * 64 + p * 64;
-      __m512i x_low = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
-      __m512i x_high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)));
-      if constexpr (FMT == Q8_0) {  // x + 128, unsigned
-        x_low = _mm512_xor_si512(x_low, offset);
-        x_high = _mm512_xor_si512(x_high, offset);
-      }
-      const __m512 dx = broadcast8(a.scale.data() + (row + r) * pairs * 8 + p * 8);
-      for (int c = 0; c < CP; ++c) {
-        if constexpr (Source::in_registers) vnni_lanes<FMT>(held[c], x_low, x_high, dx, acc[r][c]);
-        else vnni_lanes<FMT>(src.pair(c, p), x_low, x_high, dx, acc[r][c]);
-      }
-    }
-  }
-  const int64_t groups = w.padded / 8;
-  for (int c = 0; c < CP; ++c)
-    for (int r = 0; r < R; ++r) {
-      __m512 total = hsum8_halves(acc[r][c]);
-      if constexpr (FMT == Q4_1) {  // + the minimum term, its own 8 lanes and tree
-        const float* sx = a.sums.data() + (row + r) * w.padded;
-        __m512 mins = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; ++g) mins = _mm512_fmadd_ps(src.mins(c, g), broadcast8(sx + 8 * g), mins);
-        total = _mm512_add_ps(total, hsum8_halves(mins));
-      }
-      float* o = out + (row + r) * w.out + first + 2 * c;
-      o[0] = _mm512_cvtss_f32(total);
-      if (2 * c + 1 < cols) o[1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(total, 2));
-    }
-}
-
-// rows [row, row + R) of a column block: tiles of CP column pairs, then one pair at a time
-template <int FMT, int R, int CP, typename MakeSource>
-VNNI_TARGET inline void vnni_rows(const ActivationBlocks& a, int64_t row, const MakeSource& source, const Weight& w,
-                                  int64_t first, int64_t cols, float* out) {
-  int64_t c = 0;
-  for (; c + 2 * CP <= cols; c += 2 * CP)
-    vnni_tile<FMT, R, CP>(a, row, source(c, 2 * CP), w, first + c, 2 * CP, out);
-  for (; c < cols; c += 2) {
-    const int64_t width = std::min<int64_t>(2, cols - c);
-    vnni_tile<FMT, R, 1>(a, row, source(c, width), w, first + c, width, out);
-  }
-}
-
-template <int FMT, int CP, typename MakeSource>
-VNNI_TARGET inline void vnni_row_groups(const ActivationBlocks& a, const MakeSource& source, const Weight& w,
-                                        int64_t first, int64_t cols, float* out) {
-  for (int64_t r = 0; r < a.n; r += 4) {
-    switch (std::min<int64_t>(a.n - r, 4)) {
-      case 1: vnni_rows<FMT, 1, CP>(a, r, source, w, first, cols, out); break;
-      case 2: vnni_rows<FMT, 2, CP>(a, r, source, w, first, cols, out); break;
-      case 3: vnni_rows<FMT, 3, CP>(a, r, source, w, first, cols, out); break;
-      default: vnni_rows<FMT, 4, CP>(a, r, source, w, first, cols, out); break;
-    }
-  }
-}
-
-// Up to VNNI_DIRECT_ROWS rows each weight is read by few rows: widened in registers where it is used;
-// beyond, widened once per thread and column block into the buffer every row tile reads.
-template <int FMT>
-VNNI_TARGET void int8_rows_vnni(const ActivationBlocks& a, const Weight& w, int64_t first, int64_t cols, float* out,
-                                VnniBuffer& buffer) {
-  if (a.n <= VNNI_DIRECT_ROWS) {
-    // 2 column pairs: R x 2 accumulators, 2 x 4 widened registers and a row's 3 within 32 zmm
-    vnni_row_groups<FMT, 2>(a, [&](int64_t c, int64_t width) {
-      return FromWeights<FMT>{w, first + c, first + c + width - 1};
-    }, w, first, cols, out);
-    return;
-  }
-  widen_vnni<FMT>(w, first, cols, a.pairs, buffer);
-  const int64_t groups = w.padded / 8;
-  // 4 column pairs: R x 4 accumulators and a row's 3 registers, the weights read from the buffer
-  vnni_row_groups<FMT, 4>(a, [&](int64_t c, int64_t) { return FromBuffer{buffer, a.pairs, groups, c / 2}; },
-                          w, first, cols, out);
-}
-#else
-struct VnniBuffer {};
 #endif
 
 inline void add_bias(const Weight& w, int64_t n, int64_t first, int64_t cols, float* out) {
@@ -1076,30 +876,26 @@ inline void add_bias(const Weight& w, int64_t n, int64_t first, int64_t cols, fl
     for (int64_t c = 0; c < cols; ++c) out[i * w.out + first + c] += b[c];
 }
 
-// one column block of the 8-bit product by `path`
 template <int FMT>
-inline void int8_column_block(const ActivationBlocks& a, const Weight& w, int64_t first, int64_t cols, float* out,
-                              int path, VnniBuffer& buffer) {
+inline void int8_groups(const ActivationBlocks& a, const Weight& w, int64_t g_begin, int64_t g_end, float* out,
+                        int path) {
 #if X86_INT8
-  if (path == INT8_VNNI) return int8_rows_vnni<FMT>(a, w, first, cols, out, buffer);
-  if (path == INT8_AVX2) return int8_rows<FMT, INT8_AVX2>(a, w, first, cols, out);
+  if (path == INT8_VNNI) return int8_groups_vnni<FMT>(a, w, g_begin, g_end, out);
+  if (path == INT8_AVX2) return int8_groups_avx2<FMT>(a, w, g_begin, g_end, out);
 #endif
-  int8_rows<FMT, INT8_SCALAR>(a, w, first, cols, out);
+  int8_groups_scalar<FMT>(a, w, g_begin, g_end, out);
 }
 
-// out [n, w.out] = x [n, w.in] @ w.T (+ bias), the activations rounded to 8-bit blocks per row
+// out [n, w.out] = x [n, w.in] @ w.T (+ bias), the activations rounded to 8-bit blocks per row;
+// threads split the column groups, never K
 void int8_matmul_into(const float* x, int64_t n, const Weight& w, float* out) {
-  const int path = int8_path_for(n);
+  const int path = g_int8_path;
   const ActivationBlocks a = quantize_rows(x, n, w.in, path);
-  const int64_t blocks = (w.out + COL_BLOCK - 1) / COL_BLOCK;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local VnniBuffer buffer;  // kept by each thread: no allocation per product
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t first = block * COL_BLOCK, cols = std::min(COL_BLOCK, w.out - first);
-      if (w.format == Q4_1) int8_column_block<Q4_1>(a, w, first, cols, out, path, buffer);
-      else int8_column_block<Q8_0>(a, w, first, cols, out, path, buffer);
-      add_bias(w, n, first, cols, out);
-    }
+  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+    if (w.format == Q4_1) int8_groups<Q4_1>(a, w, begin, end, out, path);
+    else int8_groups<Q8_0>(a, w, begin, end, out, path);
+    const int64_t first = begin * INT8_GROUP;
+    add_bias(w, n, first, std::min(end * INT8_GROUP, w.out) - first, out);
   });
 }
 
