@@ -845,17 +845,20 @@ VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight&
   }
 }
 
-// every row for C groups from g0: each group's weights read from cache by every row tile after the first
-template <int FMT, int C>
+// rows [row, row + count) of C groups from g0, count <= R: the tile of exactly that many rows
+template <int FMT, int C, int R>
+VNNI_TARGET void vnni_tile_of(const ActivationBlocks& a, int64_t row, int64_t count, const Weight& w, int64_t g0,
+                              float* out) {
+  if constexpr (R > 1)
+    if (count < R) return vnni_tile_of<FMT, C, R - 1>(a, row, count, w, g0, out);
+  vnni_tile<FMT, R, C>(a, row, w, g0, out);
+}
+
+// every row for C groups from g0, R rows a tile: each group's weights read from cache by every row
+// tile after the first
+template <int FMT, int C, int R>
 VNNI_TARGET void vnni_rows(const ActivationBlocks& a, const Weight& w, int64_t g0, float* out) {
-  for (int64_t r = 0; r < a.n; r += 4) {
-    switch (std::min<int64_t>(a.n - r, 4)) {
-      case 1: vnni_tile<FMT, 1, C>(a, r, w, g0, out); break;
-      case 2: vnni_tile<FMT, 2, C>(a, r, w, g0, out); break;
-      case 3: vnni_tile<FMT, 3, C>(a, r, w, g0, out); break;
-      default: vnni_tile<FMT, 4, C>(a, r, w, g0, out); break;
-    }
-  }
+  for (int64_t r = 0; r < a.n; r += R) vnni_tile_of<FMT, C, R>(a, r, std::min<int64_t>(a.n - r, R), w, g0, out);
 }
 
 template <int FMT>
@@ -863,9 +866,13 @@ VNNI_TARGET void int8_groups_vnni(const ActivationBlocks& a, const Weight& w, in
                                   float* out) {
   int64_t g = g_begin;
   if (a.n <= 2)  // a few rows: 4 groups a tile, more weight streams in flight
-    for (; g + 4 <= g_end; g += 4) vnni_rows<FMT, 4>(a, w, g, out);
-  for (; g + 2 <= g_end; g += 2) vnni_rows<FMT, 2>(a, w, g, out);
-  for (; g < g_end; ++g) vnni_rows<FMT, 1>(a, w, g, out);
+    for (; g + 4 <= g_end; g += 4) vnni_rows<FMT, 4, 2>(a, w, g, out);
+  if (a.n >= 8 && a.n < 16) {  // 8 rows a tile, each group's unpacked weights shared by more rows
+    for (; g < g_end; ++g) vnni_rows<FMT, 1, 8>(a, w, g, out);
+    return;
+  }
+  for (; g + 2 <= g_end; g += 2) vnni_rows<FMT, 2, 4>(a, w, g, out);
+  for (; g < g_end; ++g) vnni_rows<FMT, 1, 4>(a, w, g, out);
 }
 #endif
 
