@@ -239,14 +239,13 @@ struct Weight {
   const uint8_t* bytes;
   // 8-bit activations (mode gguf-q8): the blocks also packed for the lane-per-column products
   // (pack_columns): groups of 16 output columns (zero columns past `out`), per group and block the
-  // quants as the lanes read them, the fp16 scales d (and Q4_1's m), and Q8_0's -128 x each column's
-  // block sum
+  // quants as the lanes read them (unsigned: Q4_1's nibbles, Q8_0's bytes + 128) and the fp16 scales d
+  // (and Q4_1's m)
   bool int8 = false;
   int64_t groups = 0;
-  torch::Tensor packed, packed_d, packed_m, packed_base;
+  torch::Tensor packed, packed_d, packed_m;
   const uint8_t* pq = nullptr;  // the tensors' data, read in the hot loops without a call
   const uint16_t *pd = nullptr, *pm = nullptr;
-  const int32_t* pbase = nullptr;
 
   Weight(int format_, torch::Tensor data_, int64_t out_, int64_t in_, c10::optional<torch::Tensor> bias_,
          bool int8_activations)
@@ -265,7 +264,7 @@ struct Weight {
 
   // Q4_1, per group and block, 256 bytes: 4 rows of 64 (16 columns x 4 bytes), row t's byte holding
   // element 8t + i in its low nibble and 8t + 4 + i in its high one (i = 0..3). Q8_0: 512 bytes, 8 rows
-  // of 64, row s holding elements 4s..4s+3 of each column.
+  // of 64, row s holding elements 4s..4s+3 of each column, each + 128 (vpdpbusd's unsigned operand).
   void pack_columns() {
     TORCH_CHECK(format == Q8_0 || format == Q4_1, "8-bit activations need Q8_0 or Q4_1 blocks");
     const int64_t blocks = in / QBLOCK, block_bytes = stride / blocks, packed_bytes = format == Q4_1 ? 256 : 512;
@@ -274,11 +273,9 @@ struct Weight {
     packed = torch::zeros({groups * blocks * packed_bytes}, torch::kUInt8);
     packed_d = torch::zeros({slots}, torch::kInt16);
     packed_m = torch::zeros({format == Q4_1 ? slots : 0}, torch::kInt16);
-    packed_base = torch::zeros({format == Q8_0 ? slots : 0}, torch::kInt32);
     uint8_t* q = packed.data_ptr<uint8_t>();
     int16_t* d = packed_d.data_ptr<int16_t>();
     int16_t* m = packed_m.data_ptr<int16_t>();
-    int32_t* base = packed_base.data_ptr<int32_t>();
     for (int64_t c = 0; c < out; ++c)
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = bytes + c * stride + b * block_bytes;
@@ -291,19 +288,13 @@ struct Weight {
             for (int i = 0; i < 4; ++i)
               q[at * 256 + 64 * t + 4 * lane + i] = static_cast<uint8_t>(nibble(8 * t + i) | nibble(8 * t + 4 + i) << 4);
         } else {
-          int32_t sum = 0;
           for (int s = 0; s < 8; ++s)
-            for (int i = 0; i < 4; ++i) {
-              q[at * 512 + 64 * s + 4 * lane + i] = block[2 + 4 * s + i];
-              sum += static_cast<int8_t>(block[2 + 4 * s + i]);
-            }
-          base[at * INT8_GROUP + lane] = -128 * sum;
+            for (int i = 0; i < 4; ++i) q[at * 512 + 64 * s + 4 * lane + i] = block[2 + 4 * s + i] ^ 0x80;
         }
       }
     pq = q;
     pd = reinterpret_cast<const uint16_t*>(d);
     pm = format == Q4_1 ? reinterpret_cast<const uint16_t*>(m) : nullptr;
-    pbase = format == Q8_0 ? base : nullptr;
   }
 
   // rows [first, first + count) of the weight as fp32 in dst [count, in] (or a pointer into the
@@ -587,6 +578,7 @@ struct ActivationBlocks {
   std::vector<int8_t> q;  // [n, blocks * 32], in element order
   std::vector<float> d;   // [n, blocks]: each block's scale
   std::vector<float> s;   // [n, blocks]: d * sum(q)
+  std::vector<int32_t> sum;  // [n, blocks]: sum(q)
 };
 
 // one block of 32 inputs to 8 bits: its scale d = amax / 127, q = x / d rounded to nearest (ties to
@@ -640,19 +632,18 @@ constexpr int64_t QUANTIZE_PARALLEL_ROWS = 16;
 ActivationBlocks quantize_rows(const float* x, int64_t n, int64_t k, int path) {
   const int64_t blocks = k / QBLOCK;
   ActivationBlocks a{n, blocks, std::vector<int8_t>(n * k), std::vector<float>(n * blocks),
-                     std::vector<float>(n * blocks)};
+                     std::vector<float>(n * blocks), std::vector<int32_t>(n * blocks)};
   auto round_rows = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = r * blocks + b;
-        int32_t sum;
 #if X86_INT8
-        if (path != INT8_SCALAR) quantize_block_avx2(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], sum);
-        else quantize_block_scalar(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], sum);
+        if (path != INT8_SCALAR) quantize_block_avx2(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], a.sum[at]);
+        else quantize_block_scalar(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], a.sum[at]);
 #else
-        quantize_block_scalar(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], sum);
+        quantize_block_scalar(x + at * QBLOCK, a.q.data() + at * QBLOCK, a.d[at], a.sum[at]);
 #endif
-        a.s[at] = a.d[at] * static_cast<float>(sum);
+        a.s[at] = a.d[at] * static_cast<float>(a.sum[at]);
       }
   };
   if (n < QUANTIZE_PARALLEL_ROWS) round_rows(0, n);
@@ -732,10 +723,12 @@ AVX2_TARGET void avx2_group(const ActivationBlocks& a, int64_t row, const Weight
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) isum[r][h] = _mm256_madd_epi16(pairs16[r][h], ones);
     } else {  // maddubs multiplies unsigned by signed bytes: Q8_0's sign moves onto the input
+      const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
       for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s)
         for (int h = 0; h < 2; ++h) {
-          const __m256i weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pq + at * 512 + 64 * s + 32 * h));
+          const __m256i weights = _mm256_xor_si256(  // the signed weights again
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pq + at * 512 + 64 * s + 32 * h)), offset);
           const __m256i magnitude = _mm256_sign_epi8(weights, weights);
           for (int r = 0; r < R; ++r) {
             const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(every_lane4(x[r] + 4 * s), weights));
@@ -786,7 +779,7 @@ VNNI_TARGET inline __m512i every_lane4_512(const int8_t* p) {
 template <int FMT, int R, int C>
 VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t g0, float* out) {
   const int64_t blocks = a.blocks;
-  const __m512i nibble = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -810,17 +803,17 @@ VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight&
             isum[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][c], low[c], x_low), high[c], x_high);
         }
       }
-    } else {  // signed weights: the inputs + 128 (unsigned), each lane started at -128 x its weights' sum
-      for (int c = 0; c < C; ++c) {
-        const __m512i base = _mm512_loadu_si512(w.pbase + ((g0 + c) * blocks + b) * INT8_GROUP);
-        for (int r = 0; r < R; ++r) isum[r][c] = base;
+    } else {  // the weights + 128: each lane starts at -128 x the inputs' block sum
+      for (int r = 0; r < R; ++r) {
+        const __m512i start = _mm512_set1_epi32(-128 * a.sum[(row + r) * blocks + b]);
+        for (int c = 0; c < C; ++c) isum[r][c] = start;
       }
       for (int s = 0; s < 8; ++s) {
         __m512i weights[C];
         for (int c = 0; c < C; ++c) weights[c] = _mm512_loadu_si512(w.pq + ((g0 + c) * blocks + b) * 512 + 64 * s);
         for (int r = 0; r < R; ++r) {
-          const __m512i x_unsigned = _mm512_xor_si512(every_lane4_512(x[r] + 4 * s), offset);
-          for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], x_unsigned, weights[c]);
+          const __m512i inputs = every_lane4_512(x[r] + 4 * s);
+          for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], weights[c], inputs);
         }
       }
     }
