@@ -3,7 +3,8 @@
 For each precision: the weight bytes a step reads and the time to stream them once (from this
 machine's measured read bandwidth), a plain step (one row, forward + logits) and a verify of
 1-64 rows over a 100-token cache (forward + logits of every row), median of 11 after 3 warm-up
-calls. Run it alone.
+calls, and a prefill of 200, 700 and 1,400 prompt tokens (forward + the last row's logits, best of
+3, in prompt tokens a second). Run it alone.
 
     PYTHONPATH=. .venv/bin/python scripts/exact_costs.py [--precisions gguf-q8 gguf fp32 bf16]
         [--int8-paths avx2 avx512-vnni] [--out FILE.json]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from core.machine import cpu_name, cpu_summary
 from core.model import ModelConfig, load_base_model
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_TOKENS = (200, 700, 1400)
 CONTEXT = 100
 REPEATS = 11
 
@@ -53,13 +56,27 @@ def costs(precision: str, bandwidth: float, int8_path: str = "auto") -> dict:
         for _ in range(3):
             verify(rows)
     by_rows = {rows: round(median_ms(lambda: verify(rows), REPEATS), 2) for rows in ROWS}
+    prefill = {count: round(prefill_tokens_per_s(engine, count)) for count in PREFILL_TOKENS}
     weight_bytes = getattr(engine, "weight_bytes", 0)
     if int8_path != "auto":
         engine.kernels.set_int8_path("auto")
     return {"precision": precision, "int8_path": int8_path, "engine": base.engine_name,
             "detail": engine.describe() if hasattr(engine, "describe") else base.engine_name,
             "weight_mb": round(weight_bytes / 1e6, 1), "weight_read_ms": round(weight_bytes / 1e9 / bandwidth * 1e3, 2),
-            "ms_by_rows": by_rows, "x_plain": {rows: round(ms / by_rows[1], 2) for rows, ms in by_rows.items()}}
+            "ms_by_rows": by_rows, "x_plain": {rows: round(ms / by_rows[1], 2) for rows, ms in by_rows.items()},
+            "prefill_tokens_per_s": prefill}
+
+
+def prefill_tokens_per_s(engine, count: int, repeats: int = 3) -> float:
+    """Prompt tokens a second of a `count`-token prefill (forward + the last row's logits), best of `repeats`."""
+    ids = torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(count))
+    best = float("inf")
+    for _ in range(repeats):
+        cache = engine.new_cache()
+        started = time.perf_counter()
+        engine.project(engine.forward(ids, torch.arange(count), cache)[-1:])
+        best = min(best, time.perf_counter() - started)
+    return count / best
 
 
 def main() -> None:
