@@ -1005,6 +1005,41 @@ inline void key_dots(const float* q, const float* const* key, int64_t d, float s
 #endif
 }
 
+#if !defined(HALF_LANES)
+// The horizontal sums of 16 registers at once: lane j of the result is register TRANSPOSED[j]'s 16 lanes
+// summed by hsum's own tree (lane l + lane l+8, then + l+4, + l+2, + l+1: the same additions, so each sum
+// is bitwise hsum's), in four levels of shuffles and adds for all 16 instead of a tree each.
+constexpr int TRANSPOSED[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};  // its own inverse
+
+inline __m512 hsum16(const v16f* v) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int k = 0; k < 8; ++k) {  // [A 0-7 + A 8-15 | B 0-7 + B 8-15]
+    const __m512 a = (__m512)v[2 * k], b = (__m512)v[2 * k + 1];
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int k = 0; k < 4; ++k)  // each 128-bit quarter one register's 4 sums (l + l+4)
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // (l + l+2)
+    pairs[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),  // (0 + 1)
+                       _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// key_dots for 16 keys: each key's lanes and fused multiply-adds as key_dots<1>'s, the 16 sums by hsum16
+inline void key_dots16(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
+  v16f acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = v16f{};
+  for (int64_t i = 0; i < d; i += LANES) {
+    const v16f qv = vload(q + i);
+    for (int j = 0; j < 16; ++j) acc[j] = vfma(qv, vload(key[TRANSPOSED[j]] + i), acc[j]);
+  }
+  _mm512_storeu_ps(scores, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
 // out[first, first + 16C) = sum over t of weight[t] * value(t)[...] (t ascending), times inverse
 template <int C, typename ValueAt>
 inline void weighted_values(const float* weight, int64_t total, const ValueAt& value_at, int64_t first, float inverse,
@@ -1060,6 +1095,13 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
   scores.resize(padded);
   auto key_at = [&](int64_t t) { return keys + (t < past ? t : past + seen[t - past]) * d; };
   int64_t t = 0;
+#if !defined(HALF_LANES)
+  for (; t + 16 <= total; t += 16) {
+    const float* block[16];
+    for (int j = 0; j < 16; ++j) block[j] = key_at(t + j);
+    key_dots16(q, block, d, scale, &scores[t]);
+  }
+#endif
   for (; t + KEYS_AT_ONCE <= total; t += KEYS_AT_ONCE) {
     const float* some[KEYS_AT_ONCE];
     for (int j = 0; j < KEYS_AT_ONCE; ++j) some[j] = key_at(t + j);
@@ -1097,7 +1139,13 @@ void attend_shared(const AttentionQuery* queries, int count, const float* keys, 
   const int64_t shared = past + shared_new;
   auto position = [&](const AttentionQuery& query, int64_t t) { return t < past ? t : past + query.seen[t - past]; };
   for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
-  for (int64_t t = 0; t < shared; ++t) {  // shared keys: loaded once, each query's score key_dots' own
+  int64_t t = 0;
+  for (; t + 16 <= shared; t += 16) {  // shared keys 16 at a time: read from cache by every query after the first
+    const float* block[16];
+    for (int j = 0; j < 16; ++j) block[j] = keys + position(queries[0], t + j) * d;
+    for (int g = 0; g < count; ++g) key_dots16(queries[g].q, block, d, scale, &scores[g][t]);
+  }
+  for (; t < shared; ++t) {  // shared keys: loaded once, each query's score key_dots' own
     const float* key[1] = {keys + position(queries[0], t) * d};
     for (int g = 0; g < count; ++g) key_dots<1>(queries[g].q, key, d, scale, &scores[g][t]);
   }
