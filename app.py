@@ -37,6 +37,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 import labstate
+from core.settings import SETTINGS
 from labstate import replay
 from page import FirstInHead, economics_panel, header, live_controls, replay_controls, settings_event, view_panel
 from viz import economics
@@ -44,14 +45,13 @@ from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, StepControl, View, build_prog
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 RESULTS = ASSETS / "results"
-REPLAY_ONLY = "--replay-only" in sys.argv[1:] or os.environ.get("MEDUSA_LAB_REPLAY_ONLY", "") == "1"
+REPLAY_ONLY = "--replay-only" in sys.argv[1:] or SETTINGS.replay_only
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
-CONCURRENCY = int(os.environ.get("MEDUSA_LAB_CONCURRENCY", "2"))
-MAX_SESSIONS = int(os.environ.get("MEDUSA_LAB_MAX_SESSIONS", "32"))
-QUEUE_SIZE = int(os.environ.get("MEDUSA_LAB_QUEUE_SIZE", "64"))
-SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS,
-                                    idle_seconds=float(os.environ.get("MEDUSA_LAB_SESSION_IDLE_S", "1200")),
-                                    per_client=int(os.environ.get("MEDUSA_LAB_SESSIONS_PER_CLIENT", "8")))
+CONCURRENCY = SETTINGS.concurrency
+MAX_SESSIONS = SETTINGS.max_sessions
+QUEUE_SIZE = SETTINGS.queue_size
+SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS, idle_seconds=SETTINGS.session_idle_s,
+                                    per_client=SETTINGS.sessions_per_client)
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")  # a request from this machine itself
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
@@ -60,10 +60,10 @@ TRACE_TTL_S = 3600
 # trees cost the browser's renderer ~0.4 s of CPU. The figures follow when the run stops; Step draws every step's.
 # Live in Chromium over the benchmark's ms a step (2-core Xeon, bf16, dynamic:15, same 2 cores): 1.94x with
 # every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
-RUN_REDRAW_S = float(os.environ.get("MEDUSA_LAB_RUN_REDRAW_S", "0.5"))
+RUN_REDRAW_S = SETTINGS.run_redraw_s
 REDRAW_CLOCK = time.monotonic  # the pacer's clock (tests start one at 0, as on a machine just booted)
-DRAW_WAIT_S = float(os.environ.get("MEDUSA_LAB_DRAW_WAIT_S", "0.5"))  # see _wait_for_the_browser
-QUEUE_POLL_S = float(os.environ.get("MEDUSA_LAB_QUEUE_POLL_S", "0.02"))  # see _quiet_queue
+DRAW_WAIT_S = SETTINGS.draw_wait_s  # see _wait_for_the_browser
+QUEUE_POLL_S = SETTINGS.queue_poll_s  # see _quiet_queue
 PROGRESS_POLL_S = 0.1
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
 PAGE_JS = (ASSETS / "page.js").read_text(encoding="utf-8")  # light theme, Enter in Revisit, arrow-key stepping

@@ -25,6 +25,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynam
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
+from core import settings
 from core.machine import cpu_fingerprint, measured_quietly, median_ms
 from core.paths import CACHE_DIR, REPO_ROOT  # noqa: F401  (callers read them here too)
 
@@ -60,11 +61,11 @@ class ModelConfig:
     when present, else CPU.
     """
 
-    name: str = field(default_factory=lambda: os.environ.get("MEDUSA_LAB_MODEL", DEFAULT_MODEL))
+    name: str = field(default_factory=lambda: settings.SETTINGS.model or DEFAULT_MODEL)
     dtype: str = "fp32"
     device: str | None = None
     # `lean`: core.engine's forward (Llama family), `hf`: transformers' forward, `auto`: lean where it applies
-    engine: str = field(default_factory=lambda: os.environ.get("MEDUSA_LAB_ENGINE", "auto"))
+    engine: str = field(default_factory=lambda: settings.SETTINGS.engine)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -445,7 +446,7 @@ def precision_choice(cache_dir: Path | None = None) -> PrecisionChoice:
 
 def _exact_kernels():
     """The exact kernels where they build here (None elsewhere or with engine `hf`/`lean` forced)."""
-    if torch.cuda.is_available() or os.environ.get("MEDUSA_LAB_ENGINE", "auto") not in ("auto", "exact"):
+    if torch.cuda.is_available() or settings.SETTINGS.engine not in ("auto", "exact"):
         return None
     from core.engine.build import load_kernels
     return load_kernels(CACHE_DIR)

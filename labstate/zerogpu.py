@@ -10,6 +10,8 @@ import importlib.util
 import os
 from typing import Callable, TypeVar
 
+from core import settings
+
 GPU_SECONDS = 120  # one whole run of up to 1024 tokens, with its plain-greedy check
 Function = TypeVar("Function", bound=Callable)
 
@@ -21,7 +23,7 @@ def on_zero_gpu() -> bool:
 
 def records_on_start() -> bool:
     """Whether Start decodes a whole run and the page replays it (ZeroGPU, or asked for on a CPU)."""
-    return on_zero_gpu() or os.environ.get("MEDUSA_LAB_RECORD_ON_START", "") == "1"
+    return on_zero_gpu() or settings.SETTINGS.record_on_start
 
 
 def gpu_call(function: Function, seconds: int = GPU_SECONDS) -> Function:

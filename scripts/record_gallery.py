@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+from core import settings
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,17 +192,16 @@ def _divergence_notes(lab: labstate.LabState) -> dict[int, str]:
 
 def record(recording: Recording) -> dict:
     """Run one recording through the lab and write its trace; returns its gallery index row."""
-    settings = labstate.parse_settings(recording.settings)
-    if recording.engine:  # read when its precision's runtime loads (this recording's alone)
-        os.environ["MEDUSA_LAB_ENGINE"] = recording.engine
-    for prompt in (recording.prompt, *recording.alternatives):
-        lab = labstate.record_lab(prompt, settings)
-        if recording.shows(labstate.greedy_check(lab, lab.run)):
-            break
-    records = list(lab.run.session.records)
-    found = _divergence_notes(lab) if recording.name == "bf16_near_tie" else recording.notes(records)
+    run_settings = labstate.parse_settings(recording.settings)
+    engine = {"engine": recording.engine} if recording.engine else {}  # read when its runtime loads
+    with settings.overridden(**engine):
+        for prompt in (recording.prompt, *recording.alternatives):
+            lab = labstate.record_lab(prompt, run_settings)
+            if recording.shows(labstate.greedy_check(lab, lab.run)):
+                break
+        records = list(lab.run.session.records)
+        found = _divergence_notes(lab) if recording.name == "bf16_near_tie" else recording.notes(records)
     notes = {str(i + 1): text for i, text in sorted(found.items())}
-    os.environ.pop("MEDUSA_LAB_ENGINE", None)
     meta = {"title": recording.title, "notice": recording.notice, "notes": notes,
             "engine": lab.run.runtime.base.engine_name}
     (GALLERY / f"{recording.name}.json").write_text(labstate.run_trace(lab, meta), encoding="utf-8")

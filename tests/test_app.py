@@ -5,6 +5,7 @@ Small settings (budget 15, 16 new tokens) keep it quick on a 2-core CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import re
@@ -22,6 +23,7 @@ import app  # noqa: E402  (builds the Blocks; launches nothing)
 from offline.served import free_port  # noqa: E402
 import labstate  # noqa: E402
 from labstate import replay as replay_module  # noqa: E402
+from core import settings  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
 from core.records import PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
@@ -493,7 +495,7 @@ def test_a_zero_gpu_start_decodes_the_whole_run_and_the_page_replays_it(plain_gr
 def test_the_whole_run_recorder_is_the_function_itself_off_zero_gpu(monkeypatch):
     monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)
     assert not labstate.on_zero_gpu() and labstate.gpu_call(labstate.record_run) is labstate.record_run
-    monkeypatch.setenv("MEDUSA_LAB_RECORD_ON_START", "1")
+    monkeypatch.setattr(settings, "SETTINGS", dataclasses.replace(settings.SETTINGS, record_on_start=True))
     assert labstate.records_on_start() and not labstate.on_zero_gpu()
 
 

@@ -5,6 +5,8 @@ equality of every strategy in every precision) are marked slow by their fixtures
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -233,7 +235,8 @@ def test_the_lean_forward_serves_when_the_kernels_cannot_build(monkeypatch, tmp_
 
 def test_no_kernels_setting_keeps_the_lean_forward(monkeypatch):
     from core.engine import build
-    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    from core import settings
+    monkeypatch.setattr(settings, "SETTINGS", dataclasses.replace(settings.SETTINGS, no_kernels=True))
     assert build.load_kernels.__wrapped__(CACHE_DIR) is None
     monkeypatch.setattr("core.engine.build.load_kernels", build.load_kernels.__wrapped__)
     assert tiny_base("llama").engine_name == "lean"

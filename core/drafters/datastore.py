@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import gzip
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from core import settings
 from core.drafters.interface import Chain, DraftContext, HeadProposal
 from core.drafters.lookup import ChainStats
 from core.model import REPO_ROOT
@@ -36,7 +36,6 @@ MIN_MATCH = 3  # two-token matches are everywhere in 406k tokens and predict lit
 MAX_OCCURRENCES = 128  # occurrences read per search: an evenly spaced sample of all of them
 SEPARATOR = -1  # between answers: no match or continuation crosses it
 SHIPPED_ANSWERS = REPO_ROOT / "assets" / "distill" / "distill.jsonl.gz"
-STORE_ENV = "MEDUSA_LAB_STORE"
 # prior chance that the most frequent continuation is right at depth 1, by match length: cautious,
 # since a too-hopeful prior makes every step verify branches that bf16 CPUs pay dearly for
 STORE_PRIOR = {3: 0.2, 4: 0.25, 5: 0.3, 6: 0.35}
@@ -137,7 +136,7 @@ def read_answers(paths: Iterable[Path]) -> list[list[int]]:
 
 def store_paths() -> tuple[Path, ...]:
     """The shipped answers, plus the local files named by MEDUSA_LAB_STORE, if any."""
-    extra = [Path(p) for p in os.environ.get(STORE_ENV, "").split(",") if p.strip()]
+    extra = [Path(p) for p in settings.SETTINGS.store.split(",") if p.strip()]
     return (SHIPPED_ANSWERS, *extra)
 
 

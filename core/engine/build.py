@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from core import settings
 from core.machine import cpu_fingerprint
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,6 @@ SOURCE = Path(__file__).resolve().parent / "kernels" / "exact.cpp"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
 # the same libgomp torch loaded (its soname), so the kernels join torch's OpenMP team, never a second one
 LDFLAGS = ("-fopenmp",)
-DISABLE_ENV = "MEDUSA_LAB_NO_KERNELS"  # set to 1: never build, the lean forward serves (tests, comparisons)
 
 _failure: list[str] = []
 
@@ -49,8 +49,8 @@ def kernels_unavailable_reason() -> str | None:
 def load_kernels(cache_dir: Path) -> ModuleType | None:
     """The compiled kernels (built on first use, then loaded from `cache_dir`), or None with the
     reason logged when they cannot be built here."""
-    if os.environ.get(DISABLE_ENV) == "1":
-        _failure.append(f"{DISABLE_ENV}=1")
+    if settings.SETTINGS.no_kernels:  # never build: the lean forward serves (tests, comparisons)
+        _failure.append("MEDUSA_LAB_NO_KERNELS=1")
         return None
     from torch.utils import cpp_extension
     _put_ninja_on_path()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from core import settings
 from core.engine.lean import TREE_ROWS_MARGIN, LeanLlama, OnLeanForward, StaticCache
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ MODES = ("fp32", "bf16")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GRAPH_CACHES = 4  # caches (sessions) whose graphs are kept; older ones are dropped with their graphs
 ANCESTOR_WIDTH = 96  # deepest tree a graph takes (root-to-node rows); deeper trees run eagerly
-GRAPHS_ENV = "MEDUSA_LAB_CUDA_GRAPHS"  # set to 0: every forward runs eagerly (tests compare both)
 
 
 def triton_unavailable_reason() -> str | None:
@@ -185,7 +185,7 @@ class GpuExactLlama(OnLeanForward):
         self.weight_bytes = sum(t.numel() * t.element_size() for layer in self.layers
                                 for t in (layer.qkv, layer.out, layer.gate_up, layer.down)) + \
             self.lm_head.numel() * self.lm_head.element_size()
-        wanted = os.environ.get(GRAPHS_ENV, "1") != "0" if graphs is None else graphs
+        wanted = settings.SETTINGS.cuda_graphs if graphs is None else graphs  # off: every forward eager
         self.graphs_enabled = wanted and self.device.type == "cuda"
         self._graphs: OrderedDict[int, CacheGraphs] = OrderedDict()  # by the cache's storage, newest last
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
