@@ -355,7 +355,7 @@ def on_unload(request: gr.Request = None) -> None:
 
 def on_strategy(strategy: str) -> Any:
     """The strategy's own help text under the choice."""
-    return gr.Radio(info=labstate.STRATEGY_HELP.get(strategy, ""))
+    return gr.Radio(info=labstate.strategy_help().get(strategy, ""))
 
 
 def on_trace(request: gr.Request = None) -> str | None:

@@ -18,11 +18,18 @@ from viz.view import empty_view
 from viz import economics
 from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, result_order,
                             step_trace_figure, stepped_strategies)
+from core.families import FAMILIES
 from core.strategy import ACCEPT_RULES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_TOP_M
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-RIVALS = [("none", ""), ("the usual rival (Medusa ↔ Hydra, EAGLE → Hydra)", "auto"),
-          ("Medusa heads (dynamic tree)", "dynamic"), ("Hydra heads", "hydra"), ("EAGLE draft layer", "eagle")]
+
+
+def rivals() -> list[tuple[str, str]]:
+    """The compare-heads choices: none, the family table's usual rival, or each family offered as one."""
+    return [("none", ""), ("the usual rival (Medusa ↔ Hydra, EAGLE → Hydra)", "auto"),
+            *((FAMILIES[name].rival_choice, name) for name in labstate.rival_choices()[2:])]
+
+
 CUSTOM_TREE_EXAMPLE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
 FIRST_SCRIPT = (ASSETS / "timer_frames.js").read_text(encoding="utf-8")
 INTRO = ('<div class="lab-header"><h1>Medusa Tree Lab</h1><p>Speculative decoding one step at a time: heads '
@@ -130,11 +137,11 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
     """The settings by name (`labstate.SETTING_NAMES`), showing `defaults`."""
     values, num_heads = defaults.raw(), _num_heads(defaults.depth)
     presets = [*labstate.load_named_trees(), labstate.CUSTOM_TREE]
-    choices = [(label, name) for name, label in labstate.STRATEGY_LABELS.items()]
+    choices = [(label, name) for name, label in labstate.strategy_labels().items()]
     with gr.Accordion("Settings (applied at Start)", open=True):
         return {
             "strategy": gr.Radio(choices, value=values["strategy"], label="Strategy", elem_id="strategy",
-                                 info=labstate.STRATEGY_HELP[values["strategy"]]),
+                                 info=labstate.strategy_help()[values["strategy"]]),
             "budget": gr.Slider(1, MAX_BUDGET, value=values["budget"], step=1,
                                 label="Node budget (dynamic tree; the auto budget's ceiling)", elem_id="budget"),
             "top_m": gr.Slider(1, MAX_TOP_M, value=values["top_m"], step=1, label="Top-m per head (dynamic tree)",
@@ -154,7 +161,7 @@ def settings_panel(defaults: labstate.Settings) -> dict[str, gr.components.Compo
             "compare_fixed": gr.Checkbox(value=values["compare_fixed"], label="Compare with the fixed tree "
                                          "(dynamic only; costs a second verify, not counted in tokens/s)",
                                          elem_id="compare"),
-            "compare_heads": gr.Dropdown(RIVALS, value=values["compare_heads"], elem_id="compare-heads",
+            "compare_heads": gr.Dropdown(rivals(), value=values["compare_heads"], elem_id="compare-heads",
                                          label="Also draw another drafter's tree on the same context (a third "
                                                "verify, not counted; for the dynamic, Hydra and EAGLE trees)"),
             "rule": gr.Radio(list(ACCEPT_RULES), value=values["rule"], label="Acceptance rule", elem_id="rule"),

@@ -29,16 +29,15 @@ from core.accept import AcceptConfig, AcceptResult, accept, rows_to_project
 from core.budget.controller import AutoBudget, FixedBudget, NodeBudget, StepPlan
 from core.drafters.datastore import StoreDrafter, TokenStore, default_store
 from core.drafters.interface import Chain, DraftContext, Drafter, LookupDrafter, Proposal
-from core.drafters.hydra import HYDRA_BEAM
 from core.families import family
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
 from core.records import PhaseTimes, StepRecord, TreeOutcome
-from core.strategy import (AUTOREGRESSIVE, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DEFAULT_NEW_TOKENS, DEFAULT_TOP_M,
+from core.strategy import (AUTOREGRESSIVE, DEFAULT_BEAM, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DEFAULT_NEW_TOKENS, DEFAULT_TOP_M,
                            DYNAMIC, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH,
-                           MAX_NEW_TOKENS, MAX_TOP_M, PEERS, STORE_TOKENS, STRATEGIES, StrategyError, StrategySpec,
-                           check_int, parse_strategy)
+                           MAX_NEW_TOKENS, MAX_TOP_M, PEERS, STORE_TOKENS, StrategyError, StrategySpec,
+                           check_int, parse_strategy, strategy_families)
 from core.sampling import next_token
 from core.tree import CandidateTree, RankPath, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
@@ -57,7 +56,7 @@ class DecodeConfig:
     `+store` (the datastore of the model's own answers proposes up to `store_branches`
     continuations of up to `store_tokens` tokens, `core.drafters.datastore`); a fixed spec's tree
     name becomes `fixed_tree`. top_m: candidates kept per head (grown trees: children per expanded
-    node). hydra_beam: nodes expanded per depth when a tree is grown. depth: heads used (tree
+    node). beam: nodes expanded per depth when a tree is grown (Hydra's, EAGLE's). depth: heads used (tree
     depth). fixed_tree: a shipped tree name or an explicit list of rank paths (decoded by the fixed
     family, drawn beside a dynamic run by `PageViews.fixed`).
     """
@@ -73,12 +72,12 @@ class DecodeConfig:
     lookup_chains: int = 1
     store_tokens: int = STORE_TOKENS
     store_branches: int = 3
-    hydra_beam: int = HYDRA_BEAM
+    beam: int = DEFAULT_BEAM
 
     def __post_init__(self) -> None:
         spec = parse_strategy(self.spec) if isinstance(self.spec, str) else self.spec
-        if not isinstance(spec, StrategySpec) or spec.family not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES} (core.strategy's grammar), got {self.spec!r}")
+        if not isinstance(spec, StrategySpec) or spec.family not in strategy_families():
+            raise ValueError(f"strategy must be one of {strategy_families()} (core.strategy's grammar), got {self.spec!r}")
         object.__setattr__(self, "spec", spec)
         if spec.tree:  # a fixed spec's tree, checked now rather than mid-run
             object.__setattr__(self, "fixed_tree", _fixed_tree_of(spec.tree))
@@ -89,7 +88,7 @@ class DecodeConfig:
         check_int("lookup_chains", self.lookup_chains, 1, MAX_CHAINS)
         check_int("store_tokens", self.store_tokens, 1, MAX_CHAIN_TOKENS)
         check_int("store_branches", self.store_branches, 1, MAX_CHAINS)
-        check_int("hydra_beam", self.hydra_beam, 1, MAX_TOP_M)
+        check_int("beam", self.beam, 1, MAX_TOP_M)
 
     @property
     def strategy(self) -> str:

@@ -43,6 +43,26 @@ class Family:
     depth_label: str = "head"  # what guesses depth d in the tree's axis and the table's rows ("head 2", "depth 2")
     guesser: str = "head"  # who made a guess, in a tree's subtitle ("2 head guesses accepted")
     table_caption: str = ""  # the heads table's caption for a grown tree
+    # the settings panel: its strategy's help, and for a sized family the auto, +lookup and (where offered)
+    # +store variants' ("" for auto / +lookup: the sentences every sized family shares)
+    help: str = ""
+    auto_help: str = ""
+    lookup_help: str = ""
+    store_help: str = ""  # "": the panel offers no +store variant
+    rival_choice: str = ""  # how the page offers it as the tree drawn beside another's ("": it does not)
+
+    def panel_variants(self) -> tuple[tuple[str, str], ...]:
+        """(variant, help) the settings panel offers for this family: "" (the family alone), then for a
+        sized family "auto", "auto+lookup" and, where it has a store help, "auto+lookup+store"."""
+        variants = [("", self.help)]
+        if self.sized:
+            variants += [("auto", self.auto_help or f"The {self.label}, sized every step by the same "
+                                                     "expected-tokens/s rule as dynamic (auto)."),
+                         ("auto+lookup", self.lookup_help or f"The auto-sized {self.label} plus the prompt-lookup "
+                                                             "chain (◆).")]
+            if self.store_help:
+                variants.append(("auto+lookup+store", self.store_help))
+        return tuple(variants)
 
     @property
     def drafts(self) -> bool:
@@ -61,20 +81,34 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
-    Family(AUTOREGRESSIVE, "autoregressive", tree_phrase="Autoregressive: the root only"),
+    Family(AUTOREGRESSIVE, "autoregressive", tree_phrase="Autoregressive: the root only",
+           help="Plain decoding: one base-model forward per token, no heads, no tree (the yardstick)."),
     Family(FIXED, "fixed", decodes_fixed_tree=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
            drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
-           tree_phrase="Fixed tree", guesses="one guess per depth"),
+           tree_phrase="Fixed tree", guesses="one guess per depth",
+           help="Medusa's fixed tree: the same rank paths (the preset below) every step."),
     Family(DYNAMIC, "dynamic", sized=True, fixed_beside=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
            drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
-           tree_phrase="Dynamic tree", rival=HYDRA, guesses="one guess per depth"),
+           tree_phrase="Dynamic tree", rival=HYDRA, guesses="one guess per depth",
+           help="The paper's dynamic tree: every step keeps the `budget` rank paths with the highest joint head "
+                "probability.",
+           auto_help="Dynamic tree whose size is chosen every step: the node count (≤ budget) with the best "
+                     "expected tokens/s, from a verify-cost profile measured once per precision (5-10 s).",
+           lookup_help="Auto-sized dynamic tree plus prompt lookup: the tokens that followed the text's last words "
+                       "where they appeared before join the tree as one more branch (◆).",
+           store_help="Auto-sized dynamic tree, prompt lookup, and a datastore of the model's own earlier answers: "
+                      "what most often followed the text's last words there joins the tree as up to 3 more branches.",
+           rival_choice="Medusa heads (dynamic tree)"),
     Family(HYDRA, "Hydra tree", sized=True, grows_tree=True, weights_key="hydra",
            weights="core.drafters.hydra:shipped_hydra_heads",
            drafter="core.drafters.interface:HydraDrafter", weights_name="Hydra heads", weights_folder="assets/hydra",
            tree_phrase="Hydra tree grown node by node", rival=DYNAMIC,
            guesses="each guess reads its path", node_phrase="Hydra head",
            table_caption="Hydra heads read the path: row d is head d's guesses after the best guesses of the rows "
-                         "above (other branches of the tree got their own)"),
+                         "above (other branches of the tree got their own)",
+           help="Hydra heads grow the tree node by node: each guess reads the tokens on the path before it, so a "
+                "node's children depend on the node (`budget` nodes, `top-m` children per expanded node).",
+           rival_choice="Hydra heads"),
     Family(EAGLE, "EAGLE tree", sized=True, grows_tree=True, weights_key="eagle",
            weights="core.drafters.eagle:shipped_eagle",
            drafter="core.drafters.eagle:EagleDrafter", weights_name="the EAGLE draft layer",
@@ -82,7 +116,10 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            guesses="each guess reads the base model's features and its path", node_phrase="EAGLE draft step",
            depth_label="depth", guesser="draft",
            table_caption="The EAGLE draft layer reads the base model's features, then its own output: row d is its "
-                         "guesses at depth d after the best guesses of the rows above (other branches got their own)"),
+                         "guesses at depth d after the best guesses of the rows above (other branches got their own)",
+           help="The EAGLE draft layer grows the tree: one decoder layer reads the base model's own features "
+                "(an early, the middle and the last layer) and drafts on its own outputs (`budget` nodes).",
+           rival_choice="EAGLE draft layer"),
 )}
 
 

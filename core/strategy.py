@@ -27,8 +27,6 @@ from core.limits import (MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH, MA
 LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (a step kind, not a family)
 HF = "hf"  # transformers' generate as a peer (benchmark only)
 LLAMACPP = "llamacpp"  # llama.cpp's plain decoding of the same GGUF as a peer (benchmark only, optional)
-STRATEGIES = tuple(FAMILIES)
-TREE_STRATEGIES = tuple(name for name, entry in FAMILIES.items() if entry.sized)  # chains and the adaptive budget
 HF_PEERS = ("greedy", "prompt_lookup")
 PEERS = {HF: HF_PEERS, LLAMACPP: ("greedy",)}  # peer family -> its runs: other programs' decoding, timed beside ours
 ENGINES = ("exact", "lean", "hf")
@@ -40,12 +38,27 @@ DEFAULT_BUDGET = 63
 DEFAULT_FIXED_TREE = "mc_sim_7b_63"
 DEFAULT_TOP_M = 32  # candidates kept per head
 DEFAULT_DEPTH = 4  # heads used
+DEFAULT_BEAM = 8  # nodes expanded per depth when a drafter grows its tree (Hydra, EAGLE)
 DEFAULT_NEW_TOKENS = 128
 LOOKUP_TOKENS = 10  # the chain `+lookup` adds (transformers' prompt_lookup_num_tokens is 10 too)
 STORE_TOKENS = 8  # the length of each branch `+store` adds
 
-GRAMMAR = ("ar, fixed[:<tree>], " + ", ".join(f"{name}[:<n>|auto][+lookup][+store]" for name in TREE_STRATEGIES)
-           + ", hf:greedy, hf:prompt_lookup, llamacpp:greedy, each optionally @exact, @lean or @hf")
+
+
+def strategy_families() -> tuple[str, ...]:
+    """The families of the table (core.families), read when asked: a family registered later is one too."""
+    return tuple(FAMILIES)
+
+
+def sized_families() -> tuple[str, ...]:
+    """The families sized by a node budget: they take auto, +lookup and +store."""
+    return tuple(name for name, entry in FAMILIES.items() if entry.sized)
+
+
+def grammar() -> str:
+    """Every strategy text the grammar reads, in one line (for its error messages)."""
+    return ("ar, fixed[:<tree>], " + ", ".join(f"{name}[:<n>|auto][+lookup][+store]" for name in sized_families())
+            + ", hf:greedy, hf:prompt_lookup, llamacpp:greedy, each optionally @exact, @lean or @hf")
 
 
 def check_int(name: str, value: object, low: int, high: int) -> None:
@@ -75,12 +88,12 @@ class StrategySpec:
     engine: str | None = None  # exact, lean or hf (None: the run's default forward)
 
     def __post_init__(self) -> None:
-        if self.family not in STRATEGIES + tuple(PEERS):
-            raise StrategyError(f"unknown strategy family {self.family!r}: use {GRAMMAR}")
-        grown = self.family in TREE_STRATEGIES
+        if self.family not in strategy_families() + tuple(PEERS):
+            raise StrategyError(f"unknown strategy family {self.family!r}: use {grammar()}")
+        grown = self.family in sized_families()
         if (self.auto or self.lookup or self.store or self.budget is not None) and not grown:
             raise StrategyError(f"{self.family} takes no budget, auto, +lookup or +store (only "
-                                 f"{', '.join(TREE_STRATEGIES)} do)")
+                                 f"{', '.join(sized_families())} do)")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
                                         or not 1 <= self.budget <= MAX_BUDGET):
             raise StrategyError(f"the node budget must be a whole number from 1 to {MAX_BUDGET}, got {self.budget!r}")
@@ -139,7 +152,7 @@ class StrategySpec:
     @property
     def grown(self) -> bool:
         """Dynamic or Hydra: the families that take the adaptive budget and chains."""
-        return self.family in TREE_STRATEGIES
+        return self.family in sized_families()
 
     @property
     def node_budget(self) -> int:
@@ -161,7 +174,7 @@ def _size(text: str, spec_text: str) -> tuple[int | None, bool]:
 def parse_strategy(text: object) -> StrategySpec:
     """The spec a strategy text names; StrategyError (a ValueError) with the grammar otherwise."""
     if not isinstance(text, str) or not text.strip():
-        raise StrategyError(f"a strategy must be a non-empty text: {GRAMMAR}")
+        raise StrategyError(f"a strategy must be a non-empty text: {grammar()}")
     spec_text = text.strip()
     body, at, engine = spec_text.rpartition("@")
     if not at:
@@ -171,15 +184,15 @@ def parse_strategy(text: object) -> StrategySpec:
     family = body.split(":", 1)[0].split("+", 1)[0]  # `dynamic+lookup` is `dynamic:` + `+lookup`
     rest = body[len(family):]
     arg = rest[1:] if rest.startswith(":") else rest
-    if rest.startswith("+") and family not in TREE_STRATEGIES:
-        raise StrategyError(f"{spec_text!r}: only {', '.join(TREE_STRATEGIES)} take +lookup or +store")
+    if rest.startswith("+") and family not in sized_families():
+        raise StrategyError(f"{spec_text!r}: only {', '.join(sized_families())} take +lookup or +store")
     if family in ("ar", AUTOREGRESSIVE) and not arg:
         return StrategySpec(family=AUTOREGRESSIVE, engine=engine)
     if family in PEERS:
         return StrategySpec(family=family, peer=arg, engine=engine)
     if family == FIXED:
         return StrategySpec(family=FIXED, tree=arg, engine=engine)
-    if family in TREE_STRATEGIES:
+    if family in sized_families():
         size, *extras = arg.split("+") if arg else ("",)
         unknown = [e for e in extras if e not in ADDITIONS]
         if unknown or len(set(extras)) != len(extras):
@@ -188,4 +201,4 @@ def parse_strategy(text: object) -> StrategySpec:
         budget, auto = _size(size, spec_text)
         return StrategySpec(family=family, budget=budget, auto=auto, lookup="lookup" in extras,
                             store="store" in extras, engine=engine)
-    raise StrategyError(f"unknown strategy {spec_text!r}: use {GRAMMAR}")
+    raise StrategyError(f"unknown strategy {spec_text!r}: use {grammar()}")

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from core.strategy import (ACCEPT_RULES, AUTOREGRESSIVE, DEFAULT_BUDGET, DEFAULT_DEPTH, DEFAULT_FIXED_TREE,
-                           DEFAULT_NEW_TOKENS, DEFAULT_TOP_M, DYNAMIC, EAGLE, FIXED, HYDRA, MAX_BUDGET, MAX_NEW_TOKENS,
+from core.strategy import (ACCEPT_RULES, DEFAULT_BUDGET, DEFAULT_DEPTH, DEFAULT_FIXED_TREE,
+                           DEFAULT_NEW_TOKENS, DEFAULT_TOP_M, DYNAMIC, MAX_BUDGET, MAX_NEW_TOKENS,
                            MAX_TOP_M, StrategyError, StrategySpec, check_int, parse_strategy)
 from core.families import FAMILIES
 from core.tree import fixed_tree, load_named_trees
@@ -30,37 +30,37 @@ def machine_precision() -> str:
     from core.model import default_precision  # measured on first use: replay never loads torch for it
 
     return default_precision()
-# The strategies the panel offers, in the one grammar (core.strategy); the node budget is its own slider.
-UI_SPECS = (StrategySpec(AUTOREGRESSIVE), StrategySpec(FIXED), StrategySpec(DYNAMIC),
-            StrategySpec(DYNAMIC, auto=True), StrategySpec(DYNAMIC, auto=True, lookup=True),
-            StrategySpec(DYNAMIC, auto=True, lookup=True, store=True), StrategySpec(HYDRA),
-            StrategySpec(HYDRA, auto=True), StrategySpec(HYDRA, auto=True, lookup=True), StrategySpec(EAGLE),
-            StrategySpec(EAGLE, auto=True), StrategySpec(EAGLE, auto=True, lookup=True))
-UI_STRATEGIES = tuple(spec.text for spec in UI_SPECS)
-AUTO_STRATEGY, LOOKUP_STRATEGY, STORE_STRATEGY = UI_STRATEGIES[3:6]
-HYDRA_AUTO_STRATEGY, HYDRA_LOOKUP_STRATEGY = UI_STRATEGIES[7:9]
-EAGLE_STRATEGY, EAGLE_AUTO_STRATEGY, EAGLE_LOOKUP_STRATEGY = UI_STRATEGIES[9:12]
-STRATEGY_LABELS = {spec.text: spec.label for spec in UI_SPECS}
-STRATEGY_HELP = {
-    UI_STRATEGIES[0]: "Plain decoding: one base-model forward per token, no heads, no tree (the yardstick).",
-    UI_STRATEGIES[1]: "Medusa's fixed tree: the same rank paths (the preset below) every step.",
-    UI_STRATEGIES[2]: "The paper's dynamic tree: every step keeps the `budget` rank paths with the highest joint head "
-             "probability.",
-    AUTO_STRATEGY: "Dynamic tree whose size is chosen every step: the node count (≤ budget) with the best expected "
-                   "tokens/s, from a verify-cost profile measured once per precision (5-10 s).",
-    LOOKUP_STRATEGY: "Auto-sized dynamic tree plus prompt lookup: the tokens that followed the text's last words "
-                     "where they appeared before join the tree as one more branch (◆).",
-    STORE_STRATEGY: "Auto-sized dynamic tree, prompt lookup, and a datastore of the model's own earlier answers: "
-                    "what most often followed the text's last words there joins the tree as up to 3 more branches.",
-    UI_STRATEGIES[6]: "Hydra heads grow the tree node by node: each guess reads the tokens on the path before it, so a "
-           "node's children depend on the node (`budget` nodes, `top-m` children per expanded node).",
-    HYDRA_AUTO_STRATEGY: "The Hydra tree, sized every step by the same expected-tokens/s rule as dynamic (auto).",
-    HYDRA_LOOKUP_STRATEGY: "The auto-sized Hydra tree plus the prompt-lookup chain (◆).",
-    EAGLE_STRATEGY: "The EAGLE draft layer grows the tree: one decoder layer reads the base model's own features "
-                    "(an early, the middle and the last layer) and drafts on its own outputs (`budget` nodes).",
-    EAGLE_AUTO_STRATEGY: "The EAGLE tree, sized every step by the same expected-tokens/s rule as dynamic (auto).",
-    EAGLE_LOOKUP_STRATEGY: "The auto-sized EAGLE tree plus the prompt-lookup chain (◆).",
-}
+# The strategies the panel offers, in the one grammar (core.strategy), family by family from the family table
+# (core.families: its help texts and variants); the node budget is its own slider. Read when asked, so a
+# family added to the table is offered too.
+def panel_strategies() -> dict[str, tuple[StrategySpec, str]]:
+    """Strategy text -> (its spec, its help), in the panel's order."""
+    offered = {}
+    for name, entry in FAMILIES.items():
+        for variant, help_text in entry.panel_variants():
+            spec = parse_strategy(f"{name}:{variant}" if variant else name)
+            offered[spec.text] = (spec, help_text)
+    return offered
+
+
+def ui_strategies() -> tuple[str, ...]:
+    """The panel's strategy texts."""
+    return tuple(panel_strategies())
+
+
+def strategy_labels() -> dict[str, str]:
+    """Strategy text -> what a reader sees."""
+    return {text: spec.label for text, (spec, _) in panel_strategies().items()}
+
+
+def strategy_help() -> dict[str, str]:
+    """Strategy text -> the panel's help for it."""
+    return {text: help_text for text, (_, help_text) in panel_strategies().items()}
+
+
+AUTO_STRATEGY = StrategySpec(DYNAMIC, auto=True).text
+LOOKUP_STRATEGY = StrategySpec(DYNAMIC, auto=True, lookup=True).text
+STORE_STRATEGY = StrategySpec(DYNAMIC, auto=True, lookup=True, store=True).text
 CUSTOM_TREE = "custom"  # the fixed-preset choice that uses the custom-tree text box
 CUSTOM_TREE_EXAMPLE = "e.g. [[0], [1], [0, 0]]"
 
@@ -167,18 +167,21 @@ def _as_bool(name: str, value: object) -> bool:
     raise LabInputError(f"{name} must be true or false, got {show(value)}")
 
 
-RIVAL_CHOICES = ("", "auto", DYNAMIC, HYDRA, EAGLE)  # the families that draw a tree beside another's
+def rival_choices() -> tuple[str, ...]:
+    """What the compare-heads setting takes: "" (none), "auto" (the family table's rival) or a family that
+    may be drawn beside another's (its `rival_choice`)."""
+    return ("", "auto", *(name for name, entry in FAMILIES.items() if entry.rival_choice))
 
 
 def _as_rival(value: object) -> str:
-    """The family drawn beside the run's: a family of RIVAL_CHOICES; true = "auto" (the family table's
+    """The family drawn beside the run's: one of rival_choices(); true = "auto" (the family table's
     rival: Medusa <-> Hydra, EAGLE -> Hydra) and false = "" (none), as the old check box sent."""
-    if isinstance(value, str) and value in RIVAL_CHOICES:
+    if isinstance(value, str) and value in rival_choices():
         return value
     try:
         return "auto" if _as_bool("the drafter drawn beside", value) else ""
     except LabInputError:
-        return _choice("the drafter drawn beside", value, RIVAL_CHOICES)
+        return _choice("the drafter drawn beside", value, rival_choices())
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...] | list[str]) -> str:
@@ -193,8 +196,9 @@ def _strategy(value: object) -> StrategySpec:
         spec = parse_strategy(value)
     except StrategyError:
         spec = None
-    if spec is None or spec.text not in UI_STRATEGIES:
-        raise LabInputError(f"strategy must be one of {', '.join(UI_STRATEGIES)}, got {show(value)} (the node "
+    offered = ui_strategies()
+    if spec is None or spec.text not in offered:
+        raise LabInputError(f"strategy must be one of {', '.join(offered)}, got {show(value)} (the node "
                             f"budget is its own setting)")
     return spec
 

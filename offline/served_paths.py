@@ -99,7 +99,7 @@ class Paths:
         before = set(app.SESSIONS.keys())
         page = self._open_page()
         try:
-            live_vs_bench.run_to_end(page, self.prompt, label=labstate.STRATEGY_LABELS[self.settings.ui_strategy],
+            live_vs_bench.run_to_end(page, self.prompt, label=labstate.strategy_labels()[self.settings.ui_strategy],
                                      budget=self.settings.budget, tokens=self.settings.max_new_tokens,
                                      precision=self.settings.precision)
         finally:

@@ -378,11 +378,11 @@ def test_defaults_are_the_setting_that_wins_on_a_cpu():
     strategy = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "strategy")
     precision = next(b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "precision")
     assert strategy.value == labstate.LOOKUP_STRATEGY and precision.value == fast
-    assert strategy.info == labstate.STRATEGY_HELP[labstate.LOOKUP_STRATEGY]
+    assert strategy.info == labstate.strategy_help()[labstate.LOOKUP_STRATEGY]
 
 
 def test_strategy_help_text_follows_the_choice():
-    helps = {name: app.on_strategy(name).info for name in labstate.UI_STRATEGIES}
+    helps = {name: app.on_strategy(name).info for name in labstate.ui_strategies()}
     assert len(set(helps.values())) == len(helps)
     assert "lookup" not in helps["fixed"].lower() and "auto" not in helps["dynamic"].lower()
 

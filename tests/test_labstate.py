@@ -26,7 +26,7 @@ PROMPT = "abcabcabcabc, and then?"
 
 # -- settings -------------------------------------------------------------------------------------------
 def test_settings_round_trip_through_their_raw_values():
-    for strategy in labstate.UI_STRATEGIES:
+    for strategy in labstate.ui_strategies():
         settings = labstate.parse_settings({"strategy": strategy, "budget": 20, "precision": "fp32"})
         assert labstate.parse_settings(settings.raw()) == settings
     custom = labstate.parse_settings({"fixed_preset": "custom", "custom_tree": "[[0], [1], [0, 0]]", "precision": "fp32"})
@@ -453,8 +453,8 @@ def test_any_two_drafter_families_can_be_drawn_side_by_side():
     assert rival("dynamic", "dynamic") is None and rival("dynamic", "") is None and rival("dynamic", False) is None
     with pytest.raises(labstate.LabInputError, match="drawn beside"):
         labstate.parse_settings({"compare_heads": "gumiho"})
-    from page import RIVALS
-    assert tuple(value for _, value in RIVALS) == labstate.RIVAL_CHOICES  # the page offers exactly these
+    from page import rivals
+    assert tuple(value for _, value in rivals()) == labstate.rival_choices()  # the page offers exactly these
 
 
 def test_time_a_step_waits_for_its_turn_is_never_decoding_time(tiny_runtime):

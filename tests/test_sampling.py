@@ -69,7 +69,7 @@ def draw_counts(base: BaseModel, heads: MedusaHeads | HydraHeads | EagleLayer, r
     strategy = heads.family  # the family these weights draft for: dynamic (Medusa), hydra or eagle
     spec = StrategySpec(strategy, budget=10, lookup=store is not None, store=store is not None)
     config = DecodeConfig(spec=spec, top_m=3, depth=3, max_new_tokens=3,
-                          accept=AcceptConfig(rule=rule, sampling=sampling), hydra_beam=3, lookup_tokens=3, store_tokens=3)
+                          accept=AcceptConfig(rule=rule, sampling=sampling), beam=3, lookup_tokens=3, store_tokens=3)
     root_session = start_session(base, heads, PROMPT, config, store=store, page=PageViews(texts=False))
     first_token_probs = sampling_probs(base.model(input_ids=torch.tensor([PROMPT])).logits[0, -1], sampling)
     generator = torch.Generator().manual_seed(1234)

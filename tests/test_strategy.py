@@ -23,9 +23,9 @@ def test_canonical_forms_print_back_as_themselves(text):
 
 
 def test_every_strategy_the_ui_offers_parses_in_the_benchmark_grammar_and_back():
-    for text in labstate.UI_STRATEGIES:
+    for text in labstate.ui_strategies():
         spec = parse_strategy(text)
-        assert spec.text == text and labstate.STRATEGY_LABELS[text] == spec.label
+        assert spec.text == text and labstate.strategy_labels()[text] == spec.label
         settings = labstate.parse_settings({"strategy": text})
         assert settings.spec == spec and settings.raw()["strategy"] == text
         ui_config, _ = labstate.decode_config(settings, num_heads=4)

@@ -427,7 +427,7 @@ class EagleDrafter:
         fixed tree)."""
         if not isinstance(layer, EagleLayer):
             raise ValueError(f"strategy {config.strategy!r} needs an EAGLE draft layer")
-        return cls(layer, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)
+        return cls(layer, base, width=config.top_m, beam=config.beam, depth=config.depth, budget=config.budget)
 
     def propose(self, context: DraftContext) -> GrownTree:
         """The grown tree of `budget` nodes (or `context.max_nodes` when fewer)."""

@@ -45,10 +45,11 @@ from core.drafters.layers import RMSNorm, read_weights, save_weights, take_draft
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, Growth, expand
+from core.strategy import DEFAULT_BEAM
 
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
-HYDRA_BEAM = 8  # nodes expanded per depth (DecodeConfig.hydra_beam's default)
+HYDRA_BEAM = DEFAULT_BEAM  # nodes expanded per depth (DecodeConfig.beam's default)
 
 
 @dataclass(frozen=True)

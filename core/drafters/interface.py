@@ -213,7 +213,7 @@ class HydraDrafter:
         """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`; a grown tree reads no
         fixed tree)."""
         _check_heads(heads, HydraHeads, "Hydra heads", config)
-        return cls(heads, base, width=config.top_m, beam=config.hydra_beam, depth=config.depth, budget=config.budget)
+        return cls(heads, base, width=config.top_m, beam=config.beam, depth=config.depth, budget=config.budget)
 
     @property
     def reads_history(self) -> bool:
