@@ -4,7 +4,7 @@
     while not session.finished:
         record = session.step()      # a StepRecord: everything a viewer needs
 
-A step: drafters propose (`core.drafters.interface`: the Medusa heads, prompt lookup) -> the tree policy
+A step: drafters propose (`core.drafters`: the Medusa heads, prompt lookup, ...) -> the tree policy
 builds one CandidateTree from their candidates (`core.tree_policy`; `dynamic:auto` keeps the
 best prefix, `core.budget.controller`) -> one verify forward over the whole tree with tree attention ->
 acceptance rule -> KV commit of the accepted path. The root of each tree is the base model's
@@ -28,7 +28,8 @@ from torch import nn
 from core.accept import AcceptConfig, AcceptResult, accept, rows_to_project
 from core.budget.controller import AutoBudget, FixedBudget, NodeBudget, StepPlan
 from core.drafters.datastore import StoreDrafter, TokenStore, default_store
-from core.drafters.interface import Chain, DraftContext, Drafter, LookupDrafter, Proposal
+from core.drafters.interface import Chain, DraftContext, Drafter, Proposal
+from core.drafters.lookup import LookupDrafter
 from core.families import family
 from core.kvcache import cache_length, keep_accepted, truncate
 from core.model import DEFAULT_MODEL, BaseModel

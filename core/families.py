@@ -84,11 +84,11 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
     Family(AUTOREGRESSIVE, "autoregressive", tree_phrase="Autoregressive: the root only",
            help="Plain decoding: one base-model forward per token, no heads, no tree (the yardstick)."),
     Family(FIXED, "fixed", decodes_fixed_tree=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
-           drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
+           drafter="core.drafters.medusa:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
            tree_phrase="Fixed tree", guesses="one guess per depth",
            help="Medusa's fixed tree: the same rank paths (the preset below) every step."),
     Family(DYNAMIC, "dynamic", sized=True, fixed_beside=True, weights_key=MEDUSA, weights="core.drafters.medusa:shipped_heads",
-           drafter="core.drafters.interface:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
+           drafter="core.drafters.medusa:HeadsDrafter", weights_name="Medusa heads", weights_folder="assets/heads",
            tree_phrase="Dynamic tree", rival=HYDRA, guesses="one guess per depth",
            help="The paper's dynamic tree: every step keeps the `budget` rank paths with the highest joint head "
                 "probability.",
@@ -101,7 +101,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            rival_choice="Medusa heads (dynamic tree)"),
     Family(HYDRA, "Hydra tree", sized=True, grows_tree=True, weights_key="hydra",
            weights="core.drafters.hydra:shipped_hydra_heads",
-           drafter="core.drafters.interface:HydraDrafter", weights_name="Hydra heads", weights_folder="assets/hydra",
+           drafter="core.drafters.hydra:HydraDrafter", weights_name="Hydra heads", weights_folder="assets/hydra",
            tree_phrase="Hydra tree grown node by node", rival=DYNAMIC,
            guesses="each guess reads its path", node_phrase="Hydra head",
            table_caption="Hydra heads read the path: row d is head d's guesses after the best guesses of the rows "

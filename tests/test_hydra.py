@@ -333,7 +333,8 @@ def _node_tokens(grown) -> list[tuple[tuple[int, ...], float]]:
 def test_a_draft_limit_grows_the_full_trees_best_nodes(base, limit):
     """`DraftContext.max_nodes` (the adaptive budget's draft limit) grows fewer, shallower
     levels, and the nodes are the full growth's best `limit`: the controller sees the same tree."""
-    from core.drafters.interface import DraftContext, HydraDrafter
+    from core.drafters.hydra import HydraDrafter
+    from core.drafters.interface import DraftContext
     drafter = HydraDrafter(tiny_hydra(base, std=0.5), base, width=8, beam=4, depth=4, budget=40)
     context = DraftContext(tokens=PROMPT, hidden=torch.randn(base.model.config.hidden_size))
     full = drafter.propose(context)

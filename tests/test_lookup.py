@@ -157,7 +157,8 @@ def test_several_lookup_drafts_have_distinct_first_tokens_longest_match_first():
 
 
 def test_lookup_chains_grow_while_copies_run_long_and_shrink_after_a_miss():
-    from core.drafters.interface import DraftContext, LookupDrafter
+    from core.drafters.interface import DraftContext
+    from core.drafters.lookup import LookupDrafter
 
     text = list(range(100)) * 2 + list(range(5))  # the text is copying itself
     drafter = LookupDrafter(max_tokens=4, chains=2)

@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from core.drafters.grown import GrownNode, GrownTree, Growth, deeper_could_enter, expand
+from core.drafters.interface import drafting_embedding, heads_for_drafting
 from core.drafters.layers import RMSNorm, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
@@ -104,6 +105,7 @@ class EagleLayer(nn.Module):
     """The draft layer (module docstring). Decoding: `extend` then `draft`; training: `ttt_states`."""
 
     family = "eagle"  # the family these weights draft for (core.families)
+    projects_once = False  # each depth multiplies its own rows of the draft projection
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -410,7 +412,6 @@ class EagleDrafter:
     reads_history = True  # the answer's features (`DraftContext.features`)
 
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
-        from core.drafters.interface import drafting_embedding, heads_for_drafting  # it imports the other families
         drafting, self.projection, self.dtype = heads_for_drafting(layer, base, products_on_kernels=True)
         self.layer = drafting_layer(drafting, base)
         self.embed = drafting_embedding(base, self.dtype)

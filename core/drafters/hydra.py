@@ -41,11 +41,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.drafters.interface import Chain, DraftContext, Proposal, check_heads, drafting_embedding, heads_for_drafting
 from core.drafters.layers import RMSNorm, read_weights, save_weights, take_draft_vocab
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, Growth, expand
 from core.strategy import DEFAULT_BEAM
+from core.tree import CandidateTree
 
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
@@ -155,6 +157,7 @@ class HydraHeads(nn.Module):
     """K Hydra heads; head k (1-based) reads k path tokens. Projection: the frozen lm_head."""
 
     family = "hydra"  # the family these weights draft for (core.families)
+    projects_once = False  # each depth multiplies its own rows of the draft projection
 
     def __init__(self, config: HydraConfig) -> None:
         super().__init__()
@@ -264,3 +267,60 @@ def shipped_hydra_heads(base: BaseModel) -> tuple[HydraHeads | None, str]:
     """The shipped Hydra heads in `base`'s dtype and device, with a line for the header: the family table's loader."""
     heads = default_hydra_heads(dtype=base.dtype, device=base.device)
     return heads, (f"Hydra heads from assets/hydra ({heads.config.num_heads} heads)" if heads is not None else "")
+
+
+class HydraDrafter:
+    """Hydra heads: each guess reads the path before it; the tree is grown depth by depth."""
+
+    name = "hydra"
+
+    def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
+        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
+        self.embed = drafting_embedding(base, self.dtype)
+        self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
+        # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:
+        # a cache is never changed in place)
+        self.prefix_cache: PrefixCache | None = None
+        self.seen = 0
+        self.last_state: torch.Tensor | None = None
+
+    @classmethod
+    def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
+                    ) -> "HydraDrafter":
+        """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`; a grown tree reads no
+        fixed tree)."""
+        check_heads(heads, HydraHeads, "Hydra heads", config)
+        return cls(heads, base, width=config.top_m, beam=config.beam, depth=config.depth, budget=config.budget)
+
+    @property
+    def reads_history(self) -> bool:
+        """True when proposing needs DraftContext.history (heads with a prefix layer)."""
+        return self.heads.prefix is not None
+
+    def propose(self, context: DraftContext) -> GrownTree:
+        """The grown tree of `budget` nodes, or of `context.max_nodes` when fewer: the same nodes as
+        the full growth's best `max_nodes` up to exact score ties (a node's ancestors score at least
+        as high, so none lies deeper than `max_nodes` or outside the best `max_nodes` of its depth),
+        for fewer head calls."""
+        budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
+        return grow_tree(self.heads, self.embed, self.projection, self._state(context), int(context.tokens[-1]),
+                         budget=budget, width=self.width, beam=self.beam, depth=min(self.depth, budget))
+
+    @torch.inference_mode()
+    def _state(self, context: DraftContext) -> torch.Tensor:
+        """[H] what the heads read: the hidden state, or the prefix layer's output after it."""
+        if self.heads.prefix is None:
+            return context.hidden
+        if not context.history:
+            raise ValueError("Hydra heads with a prefix layer need the answer's hidden states (DraftContext.history)")
+        if self.seen > len(context.history):  # a shorter history than the one cached: start over
+            self.prefix_cache, self.seen = None, 0
+        if self.seen < len(context.history):
+            fresh = torch.cat([chunk.to(self.dtype) for chunk in context.history[self.seen:]])  # [n, H]
+            outputs, self.prefix_cache = self.heads.prefix.extend(self.prefix_cache, fresh)  # [n, H]
+            self.seen, self.last_state = len(context.history), outputs[-1]
+        return self.last_state
+
+    def observe(self, proposed: Proposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""

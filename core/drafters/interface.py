@@ -18,17 +18,12 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from core.drafters.medusa import DraftProjection, MedusaHeads
-from core.drafters.grown import GrownTree
-from core.drafters.hydra import HydraHeads, PrefixCache, grow_tree
-from core.drafters.lookup import ChainStats, agreeing_prefix, lookup_drafts
 from core.model import BaseModel, fast_bf16_batched
-from core.strategy import MAX_CHAIN_TOKENS
 from core.tree import CandidateTree, dynamic_tree
 
 
@@ -53,19 +48,21 @@ def drafting_dtype(base: BaseModel, *, products_on_kernels: bool = False) -> tor
 _CAST: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def heads_for_drafting(heads: MedusaHeads | HydraHeads, base: BaseModel, *, products_on_kernels: bool = False
-                       ) -> tuple[MedusaHeads | HydraHeads, DraftProjection | None, torch.dtype]:
-    """`heads` in the drafting precision (`drafting_dtype`) with their draft projection (None: own lm_head)."""
+def heads_for_drafting(heads: nn.Module, base: BaseModel, *, products_on_kernels: bool = False
+                       ) -> tuple[nn.Module, Any, torch.dtype]:
+    """`heads` in the drafting precision (`drafting_dtype`) with their draft projection (a
+    `core.drafters.medusa.DraftProjection`, built by the heads' own `draft_projection`; None: their own
+    lm_head). Any heads with a `config` and `projects_once` serve: the interface knows no family."""
     dtype = drafting_dtype(base, products_on_kernels=products_on_kernels)
     cast = _CAST.setdefault(heads, {})
     if dtype not in cast:
-        own = isinstance(heads, MedusaHeads) and heads.config.own_lm_head
+        own = getattr(heads.config, "own_lm_head", False)
         projection = None if own else heads.draft_projection(base.lm_head)
         if projection is not None and projection.weight.dtype != dtype:
             projection = projection.to(dtype)
         if projection is not None and base.engine is not None:
-            # Medusa projects once onto its widest rows; Hydra multiplies every depth's own rows
-            rows = (projection.widest_rows,) if isinstance(heads, MedusaHeads) else ()
+            # heads that project once onto their widest rows (Medusa's) or every depth onto its own (Hydra's)
+            rows = (projection.widest_rows,) if heads.projects_once else ()
             # on the exact engine, through its kernels: the GGUF's Q8_0 rows (gguf) or bf16 ones
             projection = (projection.with_products(base.engine.draft_product, rows) if base.exact
                           else projection.with_measured_kernels(rows))
@@ -84,7 +81,7 @@ def drafting_embedding(base: BaseModel, dtype: torch.dtype) -> nn.Embedding:
     return nn.Embedding.from_pretrained(embed.weight.to(dtype), freeze=True)
 
 
-def _check_heads(heads: object, kind: type, name: str, config) -> None:
+def check_heads(heads: object, kind: type, name: str, config) -> None:
     """ValueError unless `heads` are `kind` with at least the `config.depth` heads a session asks for."""
     if not isinstance(heads, kind):
         raise ValueError(f"strategy {config.strategy!r} needs {name}")
@@ -159,126 +156,3 @@ class Drafter(Protocol):
                 accepted_tokens: Sequence[int]) -> None:
         """One step's result: how deep each proposed chain was verified, and the accepted tokens
         after the root (bonus excluded)."""
-
-
-class HeadsDrafter:
-    """Medusa heads: head k guesses token t+k+1 from the hidden state at t alone."""
-
-    name = "heads"
-
-    def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
-        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
-        self.width = width
-        self.depth = depth
-
-    @classmethod
-    def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
-                    ) -> "HeadsDrafter":
-        """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`;
-        `fixed`: the fixed tree it decodes or the page draws beside, whose ranks it must cover)."""
-        _check_heads(heads, MedusaHeads, "Medusa heads", config)
-        width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
-        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
-        depth = max(config.depth, fixed.max_depth if fixed else 0)
-        return cls(heads, base, width=width, depth=depth)
-
-    def propose(self, context: DraftContext) -> HeadProposal:
-        hidden = context.hidden.to(self.dtype)  # [H]
-        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
-        return HeadProposal(probs=probs, token_ids=ids)
-
-    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
-                accepted_tokens: Sequence[int]) -> None:
-        """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""
-
-
-class HydraDrafter:
-    """Hydra heads: each guess reads the path before it; the tree is grown depth by depth."""
-
-    name = "hydra"
-
-    def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
-        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
-        self.embed = drafting_embedding(base, self.dtype)
-        self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
-        # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:
-        # a cache is never changed in place)
-        self.prefix_cache: PrefixCache | None = None
-        self.seen = 0
-        self.last_state: torch.Tensor | None = None
-
-    @classmethod
-    def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
-                    ) -> "HydraDrafter":
-        """The drafter of a hydra session (config: a `core.decoder.DecodeConfig`; a grown tree reads no
-        fixed tree)."""
-        _check_heads(heads, HydraHeads, "Hydra heads", config)
-        return cls(heads, base, width=config.top_m, beam=config.beam, depth=config.depth, budget=config.budget)
-
-    @property
-    def reads_history(self) -> bool:
-        """True when proposing needs DraftContext.history (heads with a prefix layer)."""
-        return self.heads.prefix is not None
-
-    def propose(self, context: DraftContext) -> GrownTree:
-        """The grown tree of `budget` nodes, or of `context.max_nodes` when fewer: the same nodes as
-        the full growth's best `max_nodes` up to exact score ties (a node's ancestors score at least
-        as high, so none lies deeper than `max_nodes` or outside the best `max_nodes` of its depth),
-        for fewer head calls."""
-        budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
-        return grow_tree(self.heads, self.embed, self.projection, self._state(context), int(context.tokens[-1]),
-                         budget=budget, width=self.width, beam=self.beam, depth=min(self.depth, budget))
-
-    @torch.inference_mode()
-    def _state(self, context: DraftContext) -> torch.Tensor:
-        """[H] what the heads read: the hidden state, or the prefix layer's output after it."""
-        if self.heads.prefix is None:
-            return context.hidden
-        if not context.history:
-            raise ValueError("Hydra heads with a prefix layer need the answer's hidden states (DraftContext.history)")
-        if self.seen > len(context.history):  # a shorter history than the one cached: start over
-            self.prefix_cache, self.seen = None, 0
-        if self.seen < len(context.history):
-            fresh = torch.cat([chunk.to(self.dtype) for chunk in context.history[self.seen:]])  # [n, H]
-            outputs, self.prefix_cache = self.heads.prefix.extend(self.prefix_cache, fresh)  # [n, H]
-            self.seen, self.last_state = len(context.history), outputs[-1]
-        return self.last_state
-
-    def observe(self, proposed: Proposal | list[Chain], verified_depths: Sequence[int],
-                accepted_tokens: Sequence[int]) -> None:
-        """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""
-
-
-class LookupDrafter:
-    """Prompt lookup: copy what followed earlier occurrences of the text's last n-gram.
-
-    The latest longest match gives the main chain; the same n-gram matched elsewhere with a
-    different next token gives extra branches. Chains grow while copies run long: after a step
-    that accepted a whole chain the next ones are twice as long (up to `max_tokens * 4`, at most
-    32), and they shrink back once a chain is rejected early.
-    """
-
-    name = "lookup"
-
-    def __init__(self, max_tokens: int, chains: int = 1) -> None:
-        self.base_tokens = max_tokens
-        self.length = max_tokens
-        self.chains = chains
-        self.stats = ChainStats()
-
-    def propose(self, context: DraftContext) -> list[Chain] | None:
-        drafts = lookup_drafts(context.tokens, self.length, self.chains)
-        return [Chain(tokens=d.tokens, chances=self.stats.chances(d.ngram, len(d.tokens)), source=self.name,
-                      key=d.ngram) for d in drafts] or None
-
-    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
-                accepted_tokens: Sequence[int]) -> None:
-        for chain, depth in zip(proposed, verified_depths):
-            self.stats.update(chain.key, chain.tokens, depth, accepted_tokens)
-        if proposed and verified_depths:
-            main, depth = proposed[0], verified_depths[0]
-            copied = agreeing_prefix(main.tokens, accepted_tokens)
-            if depth and copied >= depth == len(main.tokens):
-                self.length = min(2 * self.length, 4 * self.base_tokens, MAX_CHAIN_TOKENS)
-            elif copied < depth // 2:
-                self.length = self.base_tokens

@@ -18,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from core.drafters.interface import Chain, DraftContext, HeadProposal
+from core.strategy import MAX_CHAIN_TOKENS
+
 
 MAX_NGRAM = 3
 # prior chance that a chain found by an n-gram match is right at depth 1; deeper tokens decay
@@ -125,3 +128,38 @@ class ChainStats:
             at = (key, depth)
             self.proposed[at] = self.proposed.get(at, 0.0) + 1.0
             self.accepted[at] = self.accepted.get(at, 0.0) + (1.0 if depth <= matched else 0.0)
+
+
+class LookupDrafter:
+    """Prompt lookup: copy what followed earlier occurrences of the text's last n-gram.
+
+    The latest longest match gives the main chain; the same n-gram matched elsewhere with a
+    different next token gives extra branches. Chains grow while copies run long: after a step
+    that accepted a whole chain the next ones are twice as long (up to `max_tokens * 4`, at most
+    32), and they shrink back once a chain is rejected early.
+    """
+
+    name = "lookup"
+
+    def __init__(self, max_tokens: int, chains: int = 1) -> None:
+        self.base_tokens = max_tokens
+        self.length = max_tokens
+        self.chains = chains
+        self.stats = ChainStats()
+
+    def propose(self, context: DraftContext) -> list[Chain] | None:
+        drafts = lookup_drafts(context.tokens, self.length, self.chains)
+        return [Chain(tokens=d.tokens, chances=self.stats.chances(d.ngram, len(d.tokens)), source=self.name,
+                      key=d.ngram) for d in drafts] or None
+
+    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        for chain, depth in zip(proposed, verified_depths):
+            self.stats.update(chain.key, chain.tokens, depth, accepted_tokens)
+        if proposed and verified_depths:
+            main, depth = proposed[0], verified_depths[0]
+            copied = agreeing_prefix(main.tokens, accepted_tokens)
+            if depth and copied >= depth == len(main.tokens):
+                self.length = min(2 * self.length, 4 * self.base_tokens, MAX_CHAIN_TOKENS)
+            elif copied < depth // 2:
+                self.length = self.base_tokens

@@ -28,10 +28,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from core.drafters.interface import Chain, DraftContext, HeadProposal, check_heads, heads_for_drafting
 from core.drafters.layers import read_weights, save_weights, take_draft_vocab
 from core.engine import Matmul, fastest, median_ms, time_kernels
 from core.model import REPO_ROOT, BaseModel, linear_rows
 from core.strategy import MAX_TOP_M
+from core.tree import CandidateTree
 
 DEFAULT_HEADS_DIR = REPO_ROOT / "assets" / "heads"
 # row bucket -> rows timed for it when choosing the draft projection's kernel (see with_measured_kernels)
@@ -217,6 +219,7 @@ class MedusaHeads(nn.Module):
     """K Medusa heads. `forward(hidden, lm_head)` gives logits [K, ..., vocab]."""
 
     family = "dynamic"  # the family these weights draft for (core.families)
+    projects_once = True  # every head's state through one product onto the widest draft rows
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -344,3 +347,34 @@ def shipped_heads(base: BaseModel) -> tuple[MedusaHeads, str]:
     """`default_heads` for `base` (its sizes, dtype and device): the family table's loader."""
     config = base.model.config
     return default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)
+
+
+class HeadsDrafter:
+    """Medusa heads: head k guesses token t+k+1 from the hidden state at t alone."""
+
+    name = "heads"
+
+    def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
+        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
+        self.width = width
+        self.depth = depth
+
+    @classmethod
+    def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
+                    ) -> "HeadsDrafter":
+        """The drafter a fixed or dynamic session drafts with (config: a `core.decoder.DecodeConfig`;
+        `fixed`: the fixed tree it decodes or the page draws beside, whose ranks it must cover)."""
+        check_heads(heads, MedusaHeads, "Medusa heads", config)
+        width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
+        # `depth` bounds the dynamic tree; a fixed tree brings its own depth
+        depth = max(config.depth, fixed.max_depth if fixed else 0)
+        return cls(heads, base, width=width, depth=depth)
+
+    def propose(self, context: DraftContext) -> HeadProposal:
+        hidden = context.hidden.to(self.dtype)  # [H]
+        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
+        return HeadProposal(probs=probs, token_ids=ids)
+
+    def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
+                accepted_tokens: Sequence[int]) -> None:
+        """The heads are frozen; their calibration lives in the adaptive budget (`core.budget.controller`)."""
