@@ -70,7 +70,7 @@ def prepare(prompt: object, settings: Settings) -> Prepared:
     if not isinstance(prompt, str) or not prompt.strip():
         raise LabInputError("Type a prompt (or pick an MT-Bench example) first.")
     rt = runtime(settings.precision)
-    config, note = decode_config(settings, rt.num_heads)
+    config, note = decode_config(settings, rt.max_depth(settings.strategy), rt.fixed_depth)
     try:
         prompt_ids = rt.base.chat_ids(prompt)
     except (TypeError, ValueError, UnicodeError) as error:  # sanitize_prompt should have made this impossible
@@ -101,17 +101,20 @@ def _check_custom_depth(settings: Settings, num_heads: int) -> None:
                             f"heads are loaded")
 
 
-def decode_config(settings: Settings, num_heads: int) -> tuple[DecodeConfig, str]:
-    """The core DecodeConfig for these settings, plus a note on any adjustment made."""
-    if settings.depth > num_heads:
-        raise LabInputError(f"depth {settings.depth} exceeds the {num_heads} heads loaded")
+def decode_config(settings: Settings, max_depth: int, fixed_depth: int | None = None) -> tuple[DecodeConfig, str]:
+    """The core DecodeConfig for these settings, plus a note on any adjustment made. `max_depth`: the
+    deepest tree the strategy's drafter guesses; `fixed_depth`: the deepest fixed tree (the Medusa
+    heads' count; default `max_depth`)."""
+    if settings.depth > max_depth:
+        drafts = "heads loaded" if family(settings.strategy).depth_label == "head" else "depths its drafter grows"
+        raise LabInputError(f"depth {settings.depth} exceeds the {max_depth} {drafts}")
     accept = AcceptConfig(rule=settings.rule, sampling=SamplingConfig(temperature=settings.temperature))
     base = DecodeConfig(top_m=settings.top_m, depth=settings.depth, accept=accept, max_new_tokens=settings.max_new_tokens)
     config = strategy_config(settings.spec.with_budget(settings.budget), base)
     if not settings.uses_fixed_tree:  # the preset (or custom box) is read by nothing in this run
         return config, ""
     if settings.fixed_preset == CUSTOM_TREE:
-        _check_custom_depth(settings, num_heads)
+        _check_custom_depth(settings, max_depth if fixed_depth is None else fixed_depth)
     tree, note = fixed_choice(settings.fixed_preset, settings.depth, settings.custom_tree)
     if note and not family(settings.strategy).decodes_fixed_tree:
         note = f"the comparison's {note}"  # the run's own tree is dynamic: only the side-by-side tree is cut

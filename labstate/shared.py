@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from core.drafters.medusa import MedusaHeads
+from core.limits import MAX_DEPTH
 from core.families import FAMILIES, MEDUSA, family
 from core.kvcache import truncate
 from core.machine import median_ms
@@ -56,8 +57,16 @@ class Runtime:
         return self.weights[MEDUSA]
 
     @property
-    def num_heads(self) -> int:
-        return self.heads.config.num_heads
+    def fixed_depth(self) -> int:
+        """How deep a fixed tree may go: the Medusa heads' count (a fixed tree ranks their guesses)."""
+        return self.heads.max_depth
+
+    def max_depth(self, strategy: str) -> int:
+        """The deepest tree `strategy` drafts: its weights' `max_depth` (Medusa's and Hydra's heads, EAGLE's
+        deepest draft); any depth for plain decoding or weights this copy does not ship (refused later)."""
+        entry = family(strategy)
+        weights = self.weights.get(entry.weights_key) if entry.drafts else None
+        return MAX_DEPTH if weights is None else weights.max_depth
 
     def heads_for(self, strategy: str) -> nn.Module | None:
         """The weights a core strategy drafts with (None for plain decoding); ValueError when its

@@ -250,12 +250,12 @@ def test_parse_settings_rejects_bad_values(bad, message):
 
 
 def test_decode_config_cuts_deep_fixed_trees_and_rejects_missing_heads():
-    config, note = labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 2}), num_heads=4)
+    config, note = labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 2}), max_depth=4)
     assert all(len(p) <= 2 for p in config.fixed_tree) and "cut to depth 2" in note
-    config, note = labstate.decode_config(labstate.parse_settings(SETTINGS), num_heads=4)
+    config, note = labstate.decode_config(labstate.parse_settings(SETTINGS), max_depth=4)
     assert config.fixed_tree == "mc_sim_7b_63" and note == ""
     with pytest.raises(labstate.LabInputError, match="exceeds"):
-        labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 5}), num_heads=4)
+        labstate.decode_config(labstate.parse_settings({**SETTINGS, "depth": 5}), max_depth=4)
 
 
 FP32_DYNAMIC = labstate.Settings(spec=StrategySpec(DYNAMIC), budget=8, max_new_tokens=6, compare_fixed=False,

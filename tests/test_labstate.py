@@ -49,15 +49,15 @@ def test_a_custom_tree_nothing_reads_never_blocks_start():
     broken = {"fixed_preset": "custom", "custom_tree": "[[1, 0]]", "precision": "fp32"}
     unused = labstate.parse_settings({**broken, "strategy": "dynamic", "compare_fixed": False})
     assert not unused.uses_fixed_tree and unused.custom_tree == ()
-    config, note = decode_config(unused, num_heads=4)
+    config, note = decode_config(unused, max_depth=4)
     assert note == "" and config.fixed_tree == "mc_sim_7b_63"  # the default, never read (no comparison)
     with pytest.raises(labstate.LabInputError, match=r"no parent .*untick the comparison"):
         labstate.parse_settings({**broken, "strategy": "dynamic", "compare_fixed": True})
     with pytest.raises(labstate.LabInputError, match=r"no parent \[1\] in the tree$"):
         labstate.parse_settings({**broken, "strategy": "fixed", "compare_fixed": False})
     cut = labstate.parse_settings({"strategy": "dynamic", "compare_fixed": True, "depth": 1, "precision": "fp32"})
-    assert decode_config(cut, num_heads=4)[1].startswith("the comparison's fixed tree")
-    assert decode_config(dataclasses.replace(cut, compare_fixed=False), num_heads=4)[1] == ""  # nothing is cut
+    assert decode_config(cut, max_depth=4)[1].startswith("the comparison's fixed tree")
+    assert decode_config(dataclasses.replace(cut, compare_fixed=False), max_depth=4)[1] == ""  # nothing is cut
 
 
 # -- the session registry -------------------------------------------------------------------------------
@@ -587,3 +587,23 @@ def test_a_finished_run_opens_on_the_step_that_emitted_the_most_tokens(tiny_runt
     emitted = [len(r.new_tokens) for r in lab.run.session.records]
     assert labstate.most_accepted_step(lab.run) == emitted.index(max(emitted))
     assert labstate.most_accepted_step(None) is None
+
+
+def test_the_depth_a_run_may_ask_for_is_its_own_drafters():
+    """Each family's weights say how deep they draft (Medusa's and Hydra's heads, EAGLE's deepest draft):
+    an EAGLE run may go deeper than the Medusa heads' count, a fixed tree never."""
+    from types import SimpleNamespace
+    from core.drafters.eagle import EAGLE_DEPTH
+    from core.families import MEDUSA
+    from core.limits import MAX_DEPTH
+    from core.strategy import parse_strategy
+    from labstate.shared import Runtime
+    rt = Runtime(base=None, weights={MEDUSA: SimpleNamespace(max_depth=4), "eagle": SimpleNamespace(max_depth=EAGLE_DEPTH),
+                                     "hydra": None}, heads_description="")
+    assert (rt.max_depth("dynamic"), rt.max_depth("eagle"), rt.fixed_depth) == (4, EAGLE_DEPTH, 4)
+    assert rt.max_depth("hydra") == rt.max_depth("autoregressive") == MAX_DEPTH  # not shipped / no drafter
+    deep = labstate.parse_settings({"strategy": "eagle:auto", "depth": 6, "precision": "fp32"})
+    config, _ = labstate.decode_config(deep, rt.max_depth("eagle"), rt.fixed_depth)
+    assert config.depth == 6
+    with pytest.raises(labstate.LabInputError, match="depth 6 exceeds the 4 heads loaded"):
+        labstate.decode_config(dataclasses.replace(deep, spec=parse_strategy("dynamic:auto")), rt.max_depth("dynamic"))

@@ -28,7 +28,7 @@ def test_every_strategy_the_ui_offers_parses_in_the_benchmark_grammar_and_back()
         assert spec.text == text and labstate.strategy_labels()[text] == spec.label
         settings = labstate.parse_settings({"strategy": text})
         assert settings.spec == spec and settings.raw()["strategy"] == text
-        ui_config, _ = labstate.decode_config(settings, num_heads=4)
+        ui_config, _ = labstate.decode_config(settings, max_depth=4)
         bench = bench_config(text, DecodeConfig())
         assert ui_config.spec == bench.spec.with_budget(settings.budget), text
 

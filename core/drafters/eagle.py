@@ -106,6 +106,7 @@ class EagleLayer(nn.Module):
 
     family = "eagle"  # the family these weights draft for (core.families)
     projects_once = False  # each depth multiplies its own rows of the draft projection
+    max_depth = EAGLE_DEPTH  # the deepest draft it grows
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()

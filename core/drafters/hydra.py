@@ -159,6 +159,11 @@ class HydraHeads(nn.Module):
     family = "hydra"  # the family these weights draft for (core.families)
     projects_once = False  # each depth multiplies its own rows of the draft projection
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree the heads grow: one depth per head."""
+        return self.config.num_heads
+
     def __init__(self, config: HydraConfig) -> None:
         super().__init__()
         self.config = config

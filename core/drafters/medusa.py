@@ -221,6 +221,11 @@ class MedusaHeads(nn.Module):
     family = "dynamic"  # the family these weights draft for (core.families)
     projects_once = True  # every head's state through one product onto the widest draft rows
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree the heads guess: one depth per head."""
+        return self.config.num_heads
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
