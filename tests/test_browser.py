@@ -437,3 +437,32 @@ def test_a_visitor_waiting_for_a_decoding_slot_sees_its_place_in_the_queue(serve
             client.predict(api_name="/stop")
     page.wait_for_function("() => document.querySelector('#status')?.textContent.includes('finished')",
                            timeout=UI_TIMEOUT_MS)
+
+
+CLIPPED_TABLES_JS = """() => [...document.querySelectorAll('table')]
+    .filter(t => t.offsetParent !== null)
+    .filter(t => {
+        let box = t.parentElement;  // the nearest ancestor narrower than the table must scroll it
+        while (box && box.clientWidth >= t.scrollWidth - 2) box = box.parentElement;
+        return box && !['auto', 'scroll'].includes(getComputedStyle(box).overflowX);
+    })
+    .map(t => (t.closest('[id]') || {}).id + ': ' + t.scrollWidth + ' px in ' + t.parentElement.clientWidth)"""
+TAB_ROWS_JS = """() => new Set([...document.querySelectorAll('[role=tab]')]
+    .filter(t => t.offsetParent !== null).map(t => Math.round(t.getBoundingClientRect().top))).size"""
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (1024, 768)])
+def test_a_lecture_step_reads_on_a_projector_sized_window(page, shots, width, height):
+    """At a projector's 1280x800 and 1024x768: the Lecture preset's steps draw a tree whose labels neither
+    overlap nor leave the figure, the tabs stay on one row, and every table fits its box or scrolls it
+    (none is cut off)."""
+    page.set_viewport_size({"width": width, "height": height})
+    page.locator("#lecture-btn").click()
+    for count in (1, 2):
+        _step(page, count)
+    page.wait_for_function("() => document.querySelectorAll('#tree-plot .js-plotly-plot .point').length > 1",
+                           timeout=UI_TIMEOUT_MS)
+    _check_tree_readable(page)
+    assert page.evaluate(TAB_ROWS_JS) == 1
+    assert page.evaluate(CLIPPED_TABLES_JS) == []
+    page.screenshot(path=str(shots / f"lecture_step2_{width}x{height}.png"))
