@@ -1005,7 +1005,7 @@ inline void key_dots(const float* q, const float* const* key, int64_t d, float s
 #endif
 }
 
-#if !defined(HALF_LANES)
+#if defined(__AVX512F__)
 // The horizontal sums of 16 registers at once: lane j of the result is register TRANSPOSED[j]'s 16 lanes
 // summed by hsum's own tree (lane l + lane l+8, then + l+4, + l+2, + l+1: the same additions, so each sum
 // is bitwise hsum's), in four levels of shuffles and adds for all 16 instead of a tree each.
@@ -1037,6 +1037,11 @@ inline void key_dots16(const float* q, const float* const* key, int64_t d, float
     for (int j = 0; j < 16; ++j) acc[j] = vfma(qv, vload(key[TRANSPOSED[j]] + i), acc[j]);
   }
   _mm512_storeu_ps(scores, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+}
+#else
+// without AVX512: the 16 keys one at a time (the same sums: a key's lanes never depend on the others)
+inline void key_dots16(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
+  for (int j = 0; j < 16; ++j) key_dots<1>(q, key + j, d, scale, scores + j);
 }
 #endif
 
@@ -1095,7 +1100,7 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
   scores.resize(padded);
   auto key_at = [&](int64_t t) { return keys + (t < past ? t : past + seen[t - past]) * d; };
   int64_t t = 0;
-#if !defined(HALF_LANES)
+#if defined(__AVX512F__)
   for (; t + 16 <= total; t += 16) {
     const float* block[16];
     for (int j = 0; j < 16; ++j) block[j] = key_at(t + j);
