@@ -68,10 +68,12 @@ def replay_controls(gallery: tuple, open_: bool, live: bool) -> dict:
     back to the live run: one Step / Run to end pair on screen at a time."""
     with gr.Accordion("Recorded runs: the gallery (no model needed)", open=open_, elem_id="replay-box",
                       elem_classes=["live-page"] if live else []):
-        choices = [(entry.title, entry.name) for entry in gallery]
+        # numbered in the order a lecture takes them (scripts/record_gallery.py's order)
+        choices = [(f"{number}. {entry.title}", entry.name) for number, entry in enumerate(gallery, start=1)]
         box = {"state": gr.State(None),
                "pick": gr.Dropdown(choices, value=choices[0][1] if open_ and choices else None,
-                                   label="Gallery run (each shows one thing)", elem_id="gallery-pick"),
+                                   label="Gallery run, in lecture order (each shows one thing)",
+                                   elem_id="gallery-pick"),
                "upload": gr.UploadButton("…or replay a trace you exported (.json)", file_types=[".json"],
                                          type="binary", size="sm", elem_id="trace-upload")}
         with gr.Row(elem_id="replay-buttons"):

@@ -313,3 +313,17 @@ def test_recording_settings_escape_what_the_prompt_holds():
     facts = dataclasses.replace(replay.replay_facts(state), prompt="a | b\n<img src=x onerror=alert(1)> **bold**")
     shown = build_view(facts, 0).recording
     assert "<img" not in shown.replace("\\<img", "") and "a \\| b" in shown and "\\*\\*bold" in shown
+
+
+def test_the_gallery_is_offered_numbered_in_lecture_order():
+    """The picker numbers the recordings in the order a lecture takes them: the dynamic tree against the
+    fixed one first, then what the heads get wrong, the other drafters, the budget and the sampling rules."""
+    import gradio as gr
+    import page
+    entries = replay.gallery()
+    with gr.Blocks():
+        box = page.replay_controls(entries, open_=True, live=False)
+    assert [label for label, _ in box["pick"].choices] == [f"{number}. {entry.title}"
+                                                          for number, entry in enumerate(entries, start=1)]
+    assert [entry.name for entry in entries][:4] == ["dynamic_vs_fixed", "right_then_wrong", "hydra_beside_medusa",
+                                                     "eagle_beside_medusa"]
