@@ -278,15 +278,15 @@ def test_the_greedy_fixed_tree_comparison_equals_verifying_the_whole_fixed_tree(
         session = start_session(base, heads, prompt, DecodeConfig(spec="dynamic:6", max_new_tokens=40, top_m=6),
                                 page=PageViews(fixed=True))
         if full_verify:
-            asides = session._asides
+            asides = session.observer.asides
 
             def verified(*args):
                 found = asides(*args)
                 if found.fixed_to_judge is None:
                     return found
-                return dataclasses.replace(found, comparison=session._verify_aside(found.fixed_to_judge),
+                return dataclasses.replace(found, comparison=session.observer._verify_aside(found.fixed_to_judge),
                                            fixed_to_judge=None)
-            session._asides = verified
+            session.observer.asides = verified
         while not session.finished:
             session.step()
         return [(r.comparison, r.outcome) for r in session.records]
@@ -315,7 +315,7 @@ def test_a_sampled_runs_comparisons_walk_only_the_rows_they_read(engine):
     from core.kvcache import truncate
     from core.sampling import SamplingConfig
     from tests.tiny import tiny_base, tiny_heads
-    import core.decoder as decoder
+    import core.page_views as page_views
 
     base = tiny_base("llama", num_hidden_layers=4, engine=engine)
     heads = tiny_heads(base, std=0.5)
@@ -324,13 +324,13 @@ def test_a_sampled_runs_comparisons_walk_only_the_rows_they_read(engine):
                           accept=AcceptConfig(rule="speculative", sampling=SamplingConfig(temperature=0.7)))
     rows_of = {True: [], False: []}  # per comparison: {node: its row's logits} of the nodes walked
 
-    class RecordedWalk(decoder.WalkedRows):
+    class RecordedWalk(page_views.WalkedRows):
         def __init__(self, *args):
             super().__init__(*args)
             rows_of[True].append(self._rows)
 
     def full_verify_aside(session, draft):
-        context = decoder.cache_length(session.cache)
+        context = page_views.cache_length(session.cache)
         twin = torch.Generator()
         twin.set_state(session.generator.get_state())
         verified = session._verify(draft)
@@ -343,17 +343,17 @@ def test_a_sampled_runs_comparisons_walk_only_the_rows_they_read(engine):
     def run(walk: bool) -> tuple[list, list[int]]:
         session = start_session(base, heads, prompt, config, page=PageViews(fixed=True))
         if not walk:
-            session._verify_aside = lambda draft: full_verify_aside(session, draft)
+            session.observer._verify_aside = lambda draft: full_verify_aside(session, draft)
         while not session.finished:
             session.step()
         return [r.comparison for r in session.records if r.comparison is not None], session.output_ids
 
-    original = decoder.WalkedRows
-    decoder.WalkedRows = RecordedWalk
+    original = page_views.WalkedRows
+    page_views.WalkedRows = RecordedWalk
     try:
         walked, walked_text = run(True)
     finally:
-        decoder.WalkedRows = original
+        page_views.WalkedRows = original
     full, full_text = run(False)
     assert walked_text == full_text  # the comparison never touches the sampled text
     assert len(walked) == len(full) == len(rows_of[True]) == len(rows_of[False]) > 5
