@@ -27,7 +27,7 @@ PRECISIONS = ("fp32", "bf16", "gguf", "gguf-q8")
 @tensor_work  # the first call measures both precisions (core.tensor_thread)
 def machine_precision() -> str:
     """The precision a run starts in: fp32 unless bf16 measured clearly faster here (measured once, cached)."""
-    from core.model import default_precision  # measured on first use: replay never loads torch for it
+    from core.precision import default_precision  # measured on first use: replay never loads torch for it
 
     return default_precision()
 # The strategies the panel offers, in the one grammar (core.strategy), family by family from the family table

@@ -18,12 +18,13 @@ from core.limits import MAX_DEPTH
 from core.families import FAMILIES, MEDUSA, family
 from core.kvcache import truncate
 from core.machine import median_ms
-from core.model import BaseModel, ModelConfig, load_base_model, precision_choice
+from core.model import BaseModel, ModelConfig, load_base_model
+from core.precision import precision_choice
 from core.budget.cost_profile import (CostProfile, profile_cached, provisional_profile, verify_profile,
                                       warm_verifies)
 from core.tensor_thread import run_on_tensor_thread, tensor_work
 from core.verify import forward_tokens
-from labstate.settings import PRECISIONS, machine_precision
+from labstate.settings import machine_precision
 
 
 def _byte_decoder() -> dict[str, int]:

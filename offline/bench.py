@@ -38,8 +38,8 @@ from core.families import FAMILIES, MEDUSA, family
 from core.strategy import HYDRA, LLAMACPP, LOOKUP_TOKENS, PEERS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name, cpu_summary
-from core.model import (GGUF_PACKAGE_PIN, BaseModel, ModelConfig, default_precision, fast_bf16, fast_bf16_batched,
-                        gguf_location, load_base_model, precision_choice)
+from core.model import GGUF_PACKAGE_PIN, BaseModel, ModelConfig, gguf_location, load_base_model
+from core.precision import default_precision, fast_bf16, fast_bf16_batched, precision_choice
 from core.sampling import SamplingConfig
 from offline.llamacpp import LlamaCppPeer
 

@@ -30,7 +30,8 @@ import torch
 from tqdm import tqdm
 
 from core.drafters.eagle import eagle_taps
-from core.model import REPO_ROOT, BaseModel, ModelConfig, default_precision, fast_bf16_batched, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+from core.precision import default_precision, fast_bf16_batched
 from core.sampling import SamplingConfig, sampling_probs
 from offline.sharegpt import load_sharegpt_prompts
 
@@ -426,7 +427,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="answers per written shard")
     parser.add_argument("--slots", type=int, default=64, help="rows decoded together (continuous batching)")
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
-                        help="default: bf16 where many-row products are fast here (core.model.fast_bf16_batched), "
+                        help="default: bf16 where many-row products are fast here (core.precision.fast_bf16_batched), "
                              "else the lab's default precision")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", default="", help="comma-separated source prefixes to answer, e.g. gpteacher,self/")

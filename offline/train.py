@@ -35,7 +35,8 @@ from tqdm import tqdm
 from offline.datagen import TEACHER_TOP, generate_batch, load_captured
 from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads, load_heads
 from core.machine import cpu_name
-from core.model import REPO_ROOT, BaseModel, ModelConfig, fast_bf16_batched, load_base_model
+from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
+from core.precision import fast_bf16_batched
 from offline.simulate import head_proposals
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
@@ -223,7 +224,7 @@ class TrainVocab:
 
     weight: torch.Tensor  # [V', H]
     index_of: torch.Tensor  # [V] long: each vocabulary id's row in `weight`, -1 if not drafted
-    bf16: bool = False  # project under bf16 autocast (only where bf16 is fast: `core.model.fast_bf16_batched`)
+    bf16: bool = False  # project under bf16 autocast (only where bf16 is fast: `core.precision.fast_bf16_batched`)
 
     def prefix(self, rows: int) -> "TrainVocab":
         """The first `rows` rows only (a deeper head's `depth_vocab`): tokens past them are not drafted."""

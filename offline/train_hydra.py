@@ -22,7 +22,8 @@ from tqdm import tqdm
 from core.drafters.medusa import MedusaHeads, default_heads
 from core.drafters.grown import GrownTree, accepted_depth, cut_grown
 from core.drafters.hydra import HYDRA_BEAM, HydraConfig, HydraHeads, grow_tree, load_hydra_heads
-from core.model import BaseModel, fast_bf16_batched
+from core.model import BaseModel
+from core.precision import fast_bf16_batched
 from core.strategy import DYNAMIC, HYDRA, StrategySpec
 from offline.simulate import parse_tree_spec, simulate
 from offline.train import (Augment, Features, TrainConfig, TrainVocab, depth_vocabs, draft_coverage, draft_loss,

@@ -362,7 +362,7 @@ def test_a_step_clicked_before_stop_that_read_the_epoch_after_it_is_dropped():
 
 # -- issue 14: first run, status, help, export, numbering --------------------------------------------------
 def test_defaults_are_the_setting_that_wins_on_a_cpu():
-    from core.model import BF16_MIN_SPEEDUP, default_precision, precision_choice
+    from core.precision import BF16_MIN_SPEEDUP, default_precision, precision_choice
 
     settings = labstate.Settings()
     choice = precision_choice()  # bf16 only where it measured clearly faster (or a GPU)

@@ -1,7 +1,7 @@
 """Other base models: every accepted family decodes exactly, the rest are refused with a reason.
 
 Tree verification passes one additive 4D mask to every layer and the KV commit edits plain
-DynamicCache layers. For each family in `core.model.SUPPORTED_MODEL_TYPES` a tiny random model
+DynamicCache layers. For each family in `core.support.SUPPORTED_MODEL_TYPES` a tiny random model
 (tests/tiny.py) must decode, with random Medusa heads and both tree strategies, exactly the
 tokens that transformers' own greedy `generate` emits, under sdpa and eager attention.
 Sliding windows, unsupported families, attention implementations that ignore the mask and
@@ -17,9 +17,11 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import core.model
+import core.support
 from core.decoder import DecodeConfig, DecodeSession, decode
 from core.drafters.medusa import MedusaHeads
-from core.model import SUPPORTED_MODEL_TYPES, BaseModel, ModelConfig, check_supported, load_base_model
+from core.model import BaseModel, ModelConfig, load_base_model
+from core.support import SUPPORTED_MODEL_TYPES, check_supported
 from tests.tiny import ARCHITECTURES, greedy_reference, tiny_base, tiny_heads, tiny_model, tiny_tokenizer, wrap
 
 NEW_TOKENS = 40
@@ -104,7 +106,7 @@ def test_flash_attention_is_refused():
         check_supported(model)
 
 
-@pytest.mark.parametrize("field", core.model.LOGIT_TRANSFORMS)
+@pytest.mark.parametrize("field", core.support.LOGIT_TRANSFORMS)
 def test_logit_transforms_after_lm_head_are_refused(field: str):
     model = tiny_model("llama")
     setattr(model.config, field, 30.0)
@@ -118,7 +120,7 @@ def test_cache_layers_other_than_dynamic_layer_are_refused(monkeypatch: pytest.M
         def __init__(self, config: Any) -> None:
             self.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=8)]
 
-    monkeypatch.setattr(core.model, "DynamicCache", WindowedCache)
+    monkeypatch.setattr(core.support, "DynamicCache", WindowedCache)
     with pytest.raises(ValueError, match="cache layers .*DynamicSlidingWindowLayer.* are not supported"):
         check_supported(tiny_model("llama"))
 

@@ -236,29 +236,29 @@ def test_continuous_batching_answers_what_one_by_one_greedy_answers():
 ])
 def test_default_precision_is_decided_by_measurement_and_cached(tmp_path, monkeypatch, fp32_ms, bf16_ms, tree_ratio,
                                                                  expected):
-    import core.model
+    import core.precision
     timings = {(torch.float32, 1): fp32_ms, (torch.bfloat16, 1): bf16_ms,
                (torch.float32, 8): 20.0, (torch.bfloat16, 8): 20.0 / tree_ratio}
-    monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(core.model, "_exact_kernels", lambda: None)  # the rule without the exact kernels
-    monkeypatch.setattr(core.model, "_time_products", lambda dtype, rows=1: timings[dtype, rows])
-    choice = core.model.precision_choice.__wrapped__(tmp_path)
+    monkeypatch.setattr(core.precision.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.precision, "_exact_kernels", lambda: None)  # the rule without the exact kernels
+    monkeypatch.setattr(core.precision, "_time_products", lambda dtype, rows=1: timings[dtype, rows])
+    choice = core.precision.precision_choice.__wrapped__(tmp_path)
     assert choice.dtype == expected and expected in choice.describe()
-    monkeypatch.setattr(core.model, "_time_products", lambda dtype, rows=1: pytest.fail("measured twice"))
-    assert core.model.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
+    monkeypatch.setattr(core.precision, "_time_products", lambda dtype, rows=1: pytest.fail("measured twice"))
+    assert core.precision.precision_choice.__wrapped__(tmp_path) == choice  # read back from the cache
 
 
 def test_a_precision_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch):
     """Two timings of the same fp32 products that disagree say something competed for the cores."""
-    import core.model
+    import core.precision
     fp32_samples = iter([10.0, 18.0])  # the plain step's products, then the same products again
     timings = {(torch.bfloat16, 1): 140.0, (torch.float32, 8): 20.0, (torch.bfloat16, 8): 10.0}
-    monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(core.model, "_exact_kernels", lambda: None)
-    monkeypatch.setattr(core.model, "_time_products",
+    monkeypatch.setattr(core.precision.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.precision, "_exact_kernels", lambda: None)
+    monkeypatch.setattr(core.precision, "_time_products",
                         lambda dtype, rows=1: next(fp32_samples) if (dtype, rows) == (torch.float32, 1)
                         else timings[dtype, rows])
-    choice = core.model.precision_choice.__wrapped__(tmp_path)
+    choice = core.precision.precision_choice.__wrapped__(tmp_path)
     assert choice.dtype == "fp32" and not list(tmp_path.rglob("*.json"))  # this run decides; nothing is kept
 
 
@@ -270,12 +270,12 @@ def test_a_precision_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path,
 ])
 def test_with_exact_kernels_the_fastest_precision_is_the_default(tmp_path, monkeypatch, times, expected):
     """Every precision is exact on the kernels, so the one whose plain step plus small tree costs least wins."""
-    import core.model
-    monkeypatch.setattr(core.model.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(core.model, "_exact_kernels", lambda: object())
+    import core.precision
+    monkeypatch.setattr(core.precision.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(core.precision, "_exact_kernels", lambda: object())
     monkeypatch.setattr("core.engine.exact.time_modes",
                         lambda kernels, shapes, **options: {mode: {1: one, 8: eight} for mode, (one, eight) in times.items()})
-    choice = core.model.precision_choice.__wrapped__(tmp_path)
+    choice = core.precision.precision_choice.__wrapped__(tmp_path)
     assert choice.exact and choice.dtype == expected and "every precision is exact" in choice.describe()
 
 
@@ -286,12 +286,12 @@ def test_with_exact_kernels_the_fastest_precision_is_the_default(tmp_path, monke
 def test_batched_work_takes_bf16_where_many_row_products_are_fast(monkeypatch, fp32_ms, bf16_ms, tree_ratio, lab,
                                                                   batched):
     """Feature extraction and training follow the 8-row products, the lab's default both."""
-    import core.model
-    choice = core.model.PrecisionChoice(dtype=lab, fp32_ms=fp32_ms, bf16_ms=bf16_ms, device="cpu",
+    import core.precision
+    choice = core.precision.PrecisionChoice(dtype=lab, fp32_ms=fp32_ms, bf16_ms=bf16_ms, device="cpu",
                                         fp32_tree_ms=20.0, bf16_tree_ms=20.0 / tree_ratio)
-    monkeypatch.setattr(core.model, "precision_choice", lambda: choice)
-    assert core.model.fast_bf16() == (lab == "bf16")
-    assert core.model.fast_bf16_batched() == batched
+    monkeypatch.setattr(core.precision, "precision_choice", lambda: choice)
+    assert core.precision.fast_bf16() == (lab == "bf16")
+    assert core.precision.fast_bf16_batched() == batched
 
 
 @pytest.mark.parametrize("torch_ratio, batched", [(0.34, False), (1.9, True)])
@@ -299,13 +299,13 @@ def test_batched_torch_work_follows_torchs_own_products_where_the_kernels_decide
     """With the exact kernels the lab's precision comes from the kernels, but drafters' layers, feature
     extraction and training multiply in torch: they take bf16 by torch's own 8-row products (on an AVX2
     EPYC the kernels' bf16 ran 2x fp32, torch's 0.34x), never by the kernels'."""
-    import core.model
-    choice = core.model.PrecisionChoice(dtype="gguf-q8", fp32_ms=4.8, bf16_ms=3.0, device="cpu", exact=True,
+    import core.precision
+    choice = core.precision.PrecisionChoice(dtype="gguf-q8", fp32_ms=4.8, bf16_ms=3.0, device="cpu", exact=True,
                                         fp32_tree_ms=9.8, bf16_tree_ms=4.7, torch_fp32_tree_ms=10.0,
                                         torch_bf16_tree_ms=10.0 / torch_ratio)
-    monkeypatch.setattr(core.model, "precision_choice", lambda: choice)
-    assert choice.tree_speedup > core.model.BF16_MIN_SPEEDUP  # the kernels' bf16 is fast either way
-    assert core.model.fast_bf16_batched() == batched
+    monkeypatch.setattr(core.precision, "precision_choice", lambda: choice)
+    assert choice.tree_speedup > core.precision.BF16_MIN_SPEEDUP  # the kernels' bf16 is fast either way
+    assert core.precision.fast_bf16_batched() == batched
 
 
 @pytest.mark.parametrize("family", ["medusa", "hydra"])

@@ -23,14 +23,15 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import nn
 
-from core.model import BaseModel, fast_bf16_batched
+from core.model import BaseModel
+from core.precision import fast_bf16_batched
 from core.tree import CandidateTree, dynamic_tree
 
 
 
 def drafting_dtype(base: BaseModel, *, products_on_kernels: bool = False) -> torch.dtype:
     """The precision the heads draft in: bf16 where torch's many-row products measured fast
-    (`core.model.fast_bf16_batched`: a draft multiplies several rows, Medusa's heads at once or
+    (`core.precision.fast_bf16_batched`: a draft multiplies several rows, Medusa's heads at once or
     Hydra's beam), even under an fp32 base model, since a draft only proposes and the fp32 verify
     decides every token. On a Xeon with AMX, where the lab's default stays fp32, Hydra's propose
     measured 14.1-14.9 ms in fp32 and 8.5-9.2 in bf16, Medusa's 8.3 and 2.7-4.1.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import safetensors.torch
 import torch
