@@ -10,7 +10,7 @@ API (gradio_client): start, step, run (streams) take (prompt, **settings) by `la
 clicked_at (ms; the page sends its clock: a Step or Run clicked before a Stop is dropped); view(step_index),
 check(), reset() take none; each returns the outputs named in `VIEW_OUTPUT_NAMES`; trace() returns the
 JSON trace. Bad input: the API gets gr.Error(message), the page a toast and its view untouched, both
-from `_answer`; never a traceback. Each tab / client owns a LabState in `labstate.SessionRegistry`
+from `server.answer`; never a traceback. Each tab / client owns a LabState in `labstate.SessionRegistry`
 (MEDUSA_LAB_MAX_SESSIONS, MEDUSA_LAB_SESSION_IDLE_S); a replay lives in the page's `gr.State`.
 """
 from __future__ import annotations
@@ -23,13 +23,11 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: n
 import argparse
 import concurrent.futures
 import functools
-import ipaddress
 import logging
 import pickle
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -39,6 +37,7 @@ from starlette.middleware import Middleware
 import labstate
 from core.settings import SETTINGS
 from labstate import replay
+from server import LOCAL_HOSTS, answer, client_address, from_api, quiet_queue, session_key
 from page import FirstInHead, economics_panel, header, live_controls, replay_controls, settings_event, view_panel
 from viz import economics
 from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, StepControl, View, build_progress, build_view, empty_view
@@ -52,7 +51,6 @@ MAX_SESSIONS = SETTINGS.max_sessions
 QUEUE_SIZE = SETTINGS.queue_size
 SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS, idle_seconds=SETTINGS.session_idle_s,
                                     per_client=SETTINGS.sessions_per_client)
-LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")  # a request from this machine itself
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
 # Run to end redraws the page at most this often, and only the run's progress (`viz.view.Progress`: status,
@@ -63,7 +61,7 @@ TRACE_TTL_S = 3600
 RUN_REDRAW_S = SETTINGS.run_redraw_s
 REDRAW_CLOCK = time.monotonic  # the pacer's clock (tests start one at 0, as on a machine just booted)
 DRAW_WAIT_S = SETTINGS.draw_wait_s  # see _wait_for_the_browser
-QUEUE_POLL_S = SETTINGS.queue_poll_s  # see _quiet_queue
+QUEUE_POLL_S = SETTINGS.queue_poll_s  # see server.quiet_queue
 PROGRESS_POLL_S = 0.1
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
 PAGE_JS = (ASSETS / "page.js").read_text(encoding="utf-8")  # light theme, Enter in Revisit, arrow-key stepping
@@ -116,61 +114,11 @@ def render_progress(lab: labstate.LabState, message: str = "", draw_number: int 
     return outputs
 
 
-def _session_key(request: gr.Request | None) -> str:
-    """The Gradio session hash (one per browser tab / API client); a throwaway key when there is none."""
-    key = getattr(request, "session_hash", None) if request is not None else None
-    return key if isinstance(key, str) and key else f"anonymous-{uuid.uuid4().hex}"
-
-
-def _client_address(request: gr.Request | None) -> str:
-    """Who is asking, for the per-client session cap: behind a proxy (a Space; the peer is a loopback or
-    private address) the forwarded address it names, else the peer's; "" for this machine's own browser
-    or client (no cap: a lab on a laptop)."""
-    host = str(getattr(getattr(request, "client", None), "host", "") or "")
-    headers = getattr(request, "headers", None) or {}
-    forwarded = str(headers.get("x-forwarded-for", "") or "").split(",")[0].strip()
-    if forwarded and _is_proxy(host):
-        return forwarded[:64]
-    return "" if host in (*LOCAL_HOSTS, "") else host[:64]
-
-
-def _is_proxy(host: str) -> bool:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host == "localhost"
-    return address.is_loopback or address.is_private
-
-
-def _from_api(request: gr.Request | None) -> bool:
-    """True for gradio_client (it sends `x-gradio-user: api`) and plain-HTTP `/call/` requests, False for the page."""
-    if request is None:
-        return True
-    headers = getattr(request, "headers", None) or {}
-    return headers.get("x-gradio-user") in ("api", "mcp") or "/call/" in str(getattr(request, "url", "") or "")
-
-
-def _answer(request: gr.Request | None, error: Exception, redraw: Callable[[str], tuple]) -> tuple:
-    """LabNotice: a toast and the view with a note. LabInputError: gr.Error for the API; for the page a toast
-    and the view untouched, with the message. Anything else is logged and reported in short, never a traceback."""
-    if isinstance(error, gr.Error):
-        raise error
-    if isinstance(error, labstate.LabInputError):
-        if _from_api(request) and not isinstance(error, labstate.LabNotice):
-            raise gr.Error(str(error), title="Cannot do that", print_exception=False)
-        gr.Warning(str(error).replace("**", ""))
-        return redraw(f"⚠️ {error}")
-    log.exception("unexpected error in a lab event")
-    text = f"{type(error).__name__}: {error}"
-    raise gr.Error(f"Something went wrong ({text[:200]}); it was logged. Your other runs are unaffected; press "
-                   f"Start to try again.", title="Internal error", print_exception=False) from None
-
-
 def _user_view(request: gr.Request | None) -> Callable[[str], tuple]:
     """Redraw the user's current run, untouched, with a message (what an error answer shows)."""
     def redraw(message: str) -> tuple:
         try:
-            lab = SESSIONS.get(_session_key(request))
+            lab = SESSIONS.get(session_key(request))
         except labstate.LabNotice:
             lab = None
         return render(lab, message=message)
@@ -181,7 +129,7 @@ def _guarded(request: gr.Request | None, action: Callable[[], tuple]) -> tuple:
     try:
         return action()
     except Exception as error:  # noqa: BLE001  (never a traceback in the page)
-        return _answer(request, error, _user_view(request))
+        return answer(request, error, _user_view(request))
 
 
 def _settings(values: dict[str, Any]) -> tuple[str, labstate.Settings, str]:
@@ -197,8 +145,8 @@ def _decoding(request: gr.Request | None, values: dict[str, Any], act: Callable)
     def action() -> tuple:
         prompt, settings, note = _settings(values)
         labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)  # says what it does
-        key = _session_key(request)
-        client = _client_address(request)
+        key = session_key(request)
+        client = client_address(request)
         lab = (labstate.decoding_state(SESSIONS, key, client) if act is not labstate.start_fresh
                else SESSIONS.open(key, client))
         with lab.working():
@@ -223,12 +171,12 @@ def on_step(values: dict[str, Any], request: gr.Request | None, clicked_at: floa
 @settings_event(D, "clicked_at")
 def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float | None) -> Iterator[tuple]:
     """Step to the end, streaming every step; stops between steps on Stop, Start, Reset or eviction."""
-    key = _session_key(request)
+    key = session_key(request)
     try:
         prompt, settings, note = _settings(values)
         clicked_at = labstate.parse_clicked_at(clicked_at)
         labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)
-        lab = labstate.decoding_state(SESSIONS, key, _client_address(request))
+        lab = labstate.decoding_state(SESSIONS, key, client_address(request))
         local_browser = _browser_on_this_machine(request) and labstate.decoding_takes_every_core()
         with lab.working():
             pacer, latest = labstate.RedrawPacer(RUN_REDRAW_S, clock=REDRAW_CLOCK), note
@@ -245,13 +193,13 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
             shown = f" Showing step {best + 1}, where a step emitted the most tokens." if best is not None else ""
             yield render(lab, index=best, message=latest + shown)  # the run's state, figures and all
     except Exception as error:  # noqa: BLE001
-        yield _answer(request, error, _user_view(request))
+        yield answer(request, error, _user_view(request))
 
 
 def _browser_on_this_machine(request: gr.Request | None) -> bool:
     """True for the page in a browser on this machine (a laptop in front of a class): where the decoding
     takes every core, its drawing runs in the decoding's time."""
-    if _from_api(request):
+    if from_api(request):
         return False
     host = getattr(getattr(request, "client", None), "host", "") or ""
     return host in LOCAL_HOSTS
@@ -272,7 +220,7 @@ def _wait_for_the_browser(lab: labstate.LabState) -> None:
 def on_drawn(number: float | None, request: gr.Request = None) -> None:
     """The page has drawn the Run-to-end redraw `number` (its cards carry it): the run decodes on."""
     try:
-        lab = SESSIONS.get(_session_key(request))
+        lab = SESSIONS.get(session_key(request))
     except labstate.SessionExpired:
         return
     if lab is not None and isinstance(number, (int, float)):
@@ -297,7 +245,7 @@ def on_record(values: dict[str, Any], request: gr.Request | None) -> tuple:
     try:
         return record()
     except Exception as error:  # noqa: BLE001  (never a traceback in the page)
-        return (None, *_answer(request, error, _user_view(request)))
+        return (None, *answer(request, error, _user_view(request)))
 
 
 def on_view(step_index: float, shown: replay.Replay | None = None, request: gr.Request = None) -> tuple:
@@ -305,7 +253,7 @@ def on_view(step_index: float, shown: replay.Replay | None = None, request: gr.R
     or uploaded since the last live event), else the user's live run."""
     if shown is not None:
         return on_replay_view(step_index, shown)
-    return (None, *_guarded(request, lambda: render(SESSIONS.get(_session_key(request)),
+    return (None, *_guarded(request, lambda: render(SESSIONS.get(session_key(request)),
                                                     index=labstate.parse_step_index(step_index))))
 
 
@@ -321,7 +269,7 @@ def on_live(request: gr.Request = None) -> tuple:
 def on_check(request: gr.Request = None) -> tuple:
     """Run plain greedy decoding now and compare the output so far."""
     def check() -> tuple:
-        lab = SESSIONS.get(_session_key(request))
+        lab = SESSIONS.get(session_key(request))
         verdict = labstate.check_now(lab)
         gr.Info(verdict)  # where the eye is, beside the status line's clause
         return render(lab, message=verdict)
@@ -331,8 +279,8 @@ def on_check(request: gr.Request = None) -> tuple:
 def on_reset(request: gr.Request = None) -> tuple:
     """Forget the current run (cached plain runs stay)."""
     def reset() -> tuple:
-        SESSIONS.forget_expiry(_session_key(request))
-        lab = SESSIONS.get(_session_key(request))
+        SESSIONS.forget_expiry(session_key(request))
+        lab = SESSIONS.get(session_key(request))
         labstate.reset(lab)
         return render(lab, message="Reset. Type a prompt and press **Start** or **Step**.")
     return _guarded(request, reset)
@@ -342,7 +290,7 @@ def on_stop(clicked_at: float | None = None, request: gr.Request = None) -> tupl
     """Stop a running Run (and any Step waiting for its turn or clicked before `clicked_at`, the page's clock
     at the Stop click), then draw the run as it really stands."""
     def stop() -> tuple:
-        lab = SESSIONS.get(_session_key(request))
+        lab = SESSIONS.get(session_key(request))
         return render(lab, message=labstate.stop(lab, labstate.parse_clicked_at(clicked_at)))
     return _guarded(request, stop)
 
@@ -361,7 +309,7 @@ def on_strategy(strategy: str) -> Any:
 def on_trace(request: gr.Request = None) -> str | None:
     """Write the run as a JSON trace and return the file for download."""
     try:
-        return str(labstate.export_trace(SESSIONS.get(_session_key(request)), TRACE_DIR, TRACE_TTL_S))
+        return str(labstate.export_trace(SESSIONS.get(session_key(request)), TRACE_DIR, TRACE_TTL_S))
     except labstate.LabNotice as notice:
         gr.Warning(str(notice).replace("**", ""))
         return None
@@ -589,19 +537,8 @@ def build_demo(replay_only: bool = REPLAY_ONLY, why: str = "", record_on_start: 
             demo.load(on_load, None, [model_info], api_visibility="private", show_progress="hidden")
             demo.unload(on_unload)
     demo.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)
-    _quiet_queue(demo)
+    quiet_queue(demo, QUEUE_POLL_S, PROGRESS_POLL_S)
     return demo
-
-
-def _quiet_queue(demo: gr.Blocks) -> None:
-    """Gradio's queue looks for work every millisecond and for progress every 10 ms, forever (on Linux): on
-    a small machine each wake-up takes a core from the decoding's OpenMP team, whose two threads then wait
-    for each other (served steps 55 ms against 45 in a plain process; the tensor thread preempted 4,600
-    times in one 128-token run against 450). Waking every QUEUE_POLL_S costs a click at most that long."""
-    queue = getattr(demo, "_queue", None)
-    if queue is not None and hasattr(queue, "sleep_when_free"):
-        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
-        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, PROGRESS_POLL_S)
 
 
 demo = build_demo()

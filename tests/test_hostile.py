@@ -47,17 +47,17 @@ def test_a_flood_from_many_addresses_is_refused_busy_before_it_evicts_a_recent_s
 
 
 def test_the_client_address_is_the_forwarded_one_only_behind_a_proxy():
-    import app
+    import server
 
     def request(host: str, forwarded: str | None = None) -> SimpleNamespace:
         headers = {"x-forwarded-for": forwarded} if forwarded else {}
         return SimpleNamespace(client=SimpleNamespace(host=host), headers=headers)
 
-    assert app._client_address(request("10.0.0.3", "203.0.113.7, 10.0.0.3")) == "203.0.113.7"  # a Space's proxy
-    assert app._client_address(request("127.0.0.1", "203.0.113.8")) == "203.0.113.8"
-    assert app._client_address(request("93.184.216.34", "203.0.113.7")) == "93.184.216.34"  # not a proxy: ignored
-    assert app._client_address(request("127.0.0.1")) == ""  # this machine's own browser: no cap of its own
-    assert app._client_address(None) == ""
+    assert server.client_address(request("10.0.0.3", "203.0.113.7, 10.0.0.3")) == "203.0.113.7"  # a Space's proxy
+    assert server.client_address(request("127.0.0.1", "203.0.113.8")) == "203.0.113.8"
+    assert server.client_address(request("93.184.216.34", "203.0.113.7")) == "93.184.216.34"  # not a proxy: ignored
+    assert server.client_address(request("127.0.0.1")) == ""  # this machine's own browser: no cap of its own
+    assert server.client_address(None) == ""
 
 
 @pytest.mark.slow
