@@ -21,10 +21,8 @@ import sys
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: no network calls
 
 import argparse
-import concurrent.futures
 import functools
 import logging
-import pickle
 import tempfile
 import threading
 import time
@@ -38,9 +36,12 @@ import labstate
 from core.settings import SETTINGS
 from labstate import replay
 from server import LOCAL_HOSTS, answer, client_address, from_api, quiet_queue, session_key
-from page import FirstInHead, economics_panel, header, live_controls, replay_controls, settings_event, view_panel
+from replay_events import (on_pick, on_replay_back, on_replay_end, on_replay_step, on_replay_view, on_upload,
+                           prewarm, replay_view)
+from page import (FirstInHead, economics_panel, header, live_controls, replay_controls, revisit_slider, settings_event,
+                  view_outputs, view_panel)
 from viz import economics
-from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, StepControl, View, build_progress, build_view, empty_view
+from viz.view import PROGRESS_FIELDS, VIEW_FIELDS, build_progress, build_view
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 RESULTS = ASSETS / "results"
@@ -63,30 +64,10 @@ REDRAW_CLOCK = time.monotonic  # the pacer's clock (tests start one at 0, as on 
 DRAW_WAIT_S = SETTINGS.draw_wait_s  # see _wait_for_the_browser
 QUEUE_POLL_S = SETTINGS.queue_poll_s  # see server.quiet_queue
 PROGRESS_POLL_S = 0.1
-LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
 PAGE_JS = (ASSETS / "page.js").read_text(encoding="utf-8")  # light theme, Enter in Revisit, arrow-key stepping
 VIEW_OUTPUT_NAMES = VIEW_FIELDS
 D = dict.fromkeys(labstate.SETTING_NAMES) if REPLAY_ONLY else labstate.Settings().raw()  # the API's = the page's
 log = logging.getLogger("medusa_lab")
-
-
-def _outputs(view: View) -> tuple:
-    """A View as the page's outputs, in VIEW_OUTPUT_NAMES order (the step control becomes a slider)."""
-    values = {name: getattr(view, name) for name in VIEW_FIELDS}
-    values["step_slider"] = _revisit_slider(view.step_slider)
-    values["notice"] = gr.Markdown(view.notice, visible=bool(view.notice))  # no empty box beside a live tree
-    values["tree_rival"] = gr.Plot(view.tree_rival, visible=view.tree_rival is not None)
-    values["recording"] = gr.Markdown(view.recording, visible=bool(view.recording))  # in place of the live controls
-    return tuple(values[name] for name in VIEW_FIELDS)
-
-
-def _revisit_slider(control: StepControl) -> gr.Slider:
-    """The "Revisit a step" control as the page's slider."""
-    return gr.Slider(
-        minimum=1, maximum=max(control.count, 2), value=control.value, interactive=control.count > 1,
-        visible=control.count > 1,  # nothing to revisit before a second step (no "1 … 2" on an empty page)
-        label=f"Revisit a step (1 … {control.count}): drag, or type a number and press Enter" if control.count
-        else "Revisit a step (after the first step)")
 
 
 def render(lab: labstate.LabState | None, index: int | None = None, message: str = "") -> tuple:
@@ -94,7 +75,7 @@ def render(lab: labstate.LabState | None, index: int | None = None, message: str
     it takes is the page's overhead, shown beside the speed (never in it)."""
     started = time.perf_counter()
     run = lab.run if lab is not None else None
-    outputs = _outputs(build_view(labstate.facts_of(lab, run) if run is not None else None, index, message))
+    outputs = view_outputs(build_view(labstate.facts_of(lab, run) if run is not None else None, index, message))
     labstate.note_page_time(lab, time.perf_counter() - started)
     return outputs
 
@@ -108,7 +89,7 @@ def render_progress(lab: labstate.LabState, message: str = "", draw_number: int 
     values = {name: getattr(progress, name) for name in PROGRESS_FIELDS}
     if draw_number is not None:
         values["stats"] += f'<i hidden data-draw="{draw_number}"></i>'
-    values["step_slider"] = _revisit_slider(progress.step_slider)
+    values["step_slider"] = revisit_slider(progress.step_slider)
     outputs = tuple(values.get(name, gr.skip()) for name in VIEW_OUTPUT_NAMES)
     labstate.note_page_time(lab, time.perf_counter() - started)
     return outputs
@@ -241,7 +222,7 @@ def on_record(values: dict[str, Any], request: gr.Request | None) -> tuple:
         prompt, settings, note = _settings(values)
         text = _whole_run_recorder()(prompt, settings, {"title": "your run, decoded whole in one GPU call"})
         message = "Decoded the whole run in one GPU call: press Step to go through it, or Run to end."
-        return _replay_view(replay.moved(replay.open_upload(text), 1), " ".join(m for m in (note, message) if m))
+        return replay_view(replay.moved(replay.open_upload(text), 1), " ".join(m for m in (note, message) if m))
     try:
         return record()
     except Exception as error:  # noqa: BLE001  (never a traceback in the page)
@@ -326,39 +307,6 @@ def _clear_trace() -> None:
 
 # a recorded step always draws the same: Back and revisits are instant. Bounded in bytes too (each view's
 # pickled size: ~85 KB for a 64-node step, a few MB for a maximal upload's), so uploads cannot fill memory.
-RECORDED_VIEWS = replay.BoundedCache(capacity=512, max_bytes=128_000_000)
-
-
-def _recorded_view(state: replay.Replay, message: str) -> View:
-    view = RECORDED_VIEWS.get((state, message))
-    if view is None:
-        view = build_view(replay.replay_facts(state), state.shown - 1 if state.shown else None, message)
-        RECORDED_VIEWS.put((state, message), view, len(pickle.dumps(view)))
-    return view
-
-
-def _replay_view(state: replay.Replay, message: str = "") -> tuple:
-    view = _recorded_view(state, message)
-    _look_ahead(state)
-    return (state, *_outputs(view))
-
-
-def prewarm() -> None:
-    """Draw (and cache) every step of the first gallery run (replay-only mode, once the server is up):
-    ~3 s here (35 steps); without it the first steps of the opening run drew in 0.31-0.33 s in the
-    browser test instead of 0.20-0.23 s (Xeon, 2 cores)."""
-    state = replay.open_gallery(replay.gallery()[0].name) if replay.gallery() else None
-    for shown in range(replay.total_steps(state) + 1 if state else 0):
-        _recorded_view(replay.moved(state, shown), "")
-
-
-def _look_ahead(state: replay.Replay) -> None:
-    """Draw the recording's next step on a background thread, so that a Step at a reader's pace finds
-    it cached (any gallery run or upload, not only the prewarmed first run)."""
-    if state.shown < replay.total_steps(state):
-        LOOK_AHEAD.submit(_recorded_view, replay.moved(state, state.shown + 1), "")
-
-
 def on_lecture() -> tuple:
     """The Lecture preset into the prompt and the settings (the rest, the precision among them, as they are):
     press Start or Step next."""
@@ -383,65 +331,6 @@ def _wire_economics(panel: dict[str, Any]) -> None:
     for slider in [*panel["depths"], panel["cost"]]:
         slider.change(on_economics, inputs, [panel["figure"], panel["sentence"]], api_visibility="private",
                       show_progress="hidden", queue=False)
-
-
-def _replay_guard(state: replay.Replay | None, action: Callable[[], tuple]) -> tuple:
-    try:
-        return action()
-    except Exception as error:  # noqa: BLE001  a bad upload, the end of a recording: the page keeps its view
-        if not isinstance(error, labstate.LabInputError):  # a trace that loaded but cannot be drawn
-            logging.getLogger(__name__).exception("drawing a recorded run failed")
-            error = labstate.LabInputError("This trace is damaged: a step of it cannot be drawn "
-                                           f"({type(error).__name__}). Pick a gallery run or upload another.")
-            if state is not None and state.source.startswith("upload:"):
-                state = None  # its steps cannot be drawn either
-        gr.Warning(str(error).replace("**", ""))
-        if state is not None:
-            return (state, *_replay_view(state, f"⚠️ {error}")[1:])
-        return (state, *_outputs(empty_view(f"⚠️ {error}", hint="Pick a gallery run or upload a trace.")))
-
-
-def on_pick(name: str, state: replay.Replay | None = None) -> tuple:
-    """Open a gallery run on the step its notes are about (`replay.open_gallery`)."""
-    def pick() -> tuple:
-        opened = replay.open_gallery(name)
-        return _replay_view(opened, replay.opening_message(opened))
-    return _replay_guard(state, pick)
-
-
-def on_upload(data: bytes | None, state: replay.Replay | None = None) -> tuple:
-    """Replay an uploaded trace (the Export button's JSON)."""
-    if data is None:  # the file was cleared: nothing to change
-        return tuple(gr.skip() for _ in range(len(VIEW_FIELDS) + 1))
-    return _replay_guard(state, lambda: _replay_view(replay.open_upload(data), "Loaded your trace: press Step."))
-
-
-def _replay_move(state: replay.Replay | None, move: Callable[[replay.Replay], replay.Replay]) -> tuple:
-    def action() -> tuple:
-        if state is None:
-            raise labstate.LabNotice("Pick a gallery run or upload a trace first.")
-        return _replay_view(move(state))
-    return _replay_guard(state, action)
-
-
-def on_replay_step(state: replay.Replay | None) -> tuple:
-    """The recording's next step."""
-    return _replay_move(state, replay.step)
-
-
-def on_replay_back(state: replay.Replay | None) -> tuple:
-    """The recording one step back."""
-    return _replay_move(state, replay.back)
-
-
-def on_replay_end(state: replay.Replay | None) -> tuple:
-    """The whole recording at once (Run to end, without waiting)."""
-    return _replay_move(state, replay.to_end)
-
-
-def on_replay_view(step_index: float, state: replay.Replay | None) -> tuple:
-    """Revisit step `step_index` of the recording."""
-    return _replay_move(state, lambda s: replay.moved(s, labstate.parse_step_index(step_index) + 1))
 
 
 def _settings_panel() -> list[gr.components.Component]:

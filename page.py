@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 import labstate
-from viz.view import empty_view
+from viz.view import VIEW_FIELDS, StepControl, View, empty_view
 from viz import economics
 from viz.bench_plot import (bench_figure, bench_heading, category_table, markdown_table, result_order,
                             step_trace_figure, stepped_strategies)
@@ -328,3 +328,22 @@ class FirstInHead:
             await send({"type": "http.response.body", "body": html})
 
         await self.app(scope, receive, send_html_with_script)
+
+
+def view_outputs(view: View) -> tuple:
+    """A View as the page's outputs, in VIEW_FIELDS order (the step control becomes a slider)."""
+    values = {name: getattr(view, name) for name in VIEW_FIELDS}
+    values["step_slider"] = revisit_slider(view.step_slider)
+    values["notice"] = gr.Markdown(view.notice, visible=bool(view.notice))  # no empty box beside a live tree
+    values["tree_rival"] = gr.Plot(view.tree_rival, visible=view.tree_rival is not None)
+    values["recording"] = gr.Markdown(view.recording, visible=bool(view.recording))  # in place of the live controls
+    return tuple(values[name] for name in VIEW_FIELDS)
+
+
+def revisit_slider(control: StepControl) -> gr.Slider:
+    """The "Revisit a step" control as the page's slider."""
+    return gr.Slider(
+        minimum=1, maximum=max(control.count, 2), value=control.value, interactive=control.count > 1,
+        visible=control.count > 1,  # nothing to revisit before a second step (no "1 … 2" on an empty page)
+        label=f"Revisit a step (1 … {control.count}): drag, or type a number and press Enter" if control.count
+        else "Revisit a step (after the first step)")

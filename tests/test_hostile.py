@@ -150,8 +150,9 @@ def test_markup_in_an_uploaded_trace_is_shown_as_text():
 
 def test_uploads_and_drawn_views_stay_bounded_in_bytes(monkeypatch):
     import app
+    import replay_events
     monkeypatch.setattr(replay, "UPLOADS", replay.BoundedCache(capacity=64, max_bytes=3_000_000))
-    monkeypatch.setattr(app, "RECORDED_VIEWS", replay.BoundedCache(capacity=512, max_bytes=2_000_000))
+    monkeypatch.setattr(replay_events, "RECORDED_VIEWS", replay.BoundedCache(capacity=512, max_bytes=2_000_000))
     data = _gallery_data()
     size = len(json.dumps(data))
     for i in range(20):  # 20 distinct uploads, a step drawn of each
@@ -159,18 +160,19 @@ def test_uploads_and_drawn_views_stay_bounded_in_bytes(monkeypatch):
         state = app.on_upload(json.dumps(data).encode(), None)[0]
         app.on_replay_step(state)
     assert replay.UPLOADS.bytes <= 3_000_000 and 1 <= len(replay.UPLOADS) <= 3_000_000 // size + 1
-    assert app.RECORDED_VIEWS.bytes <= 2_000_000
+    assert replay_events.RECORDED_VIEWS.bytes <= 2_000_000
 
 
 def test_a_trace_that_loads_but_cannot_be_drawn_is_a_damaged_trace_message(monkeypatch):
     import app
+    import replay_events
     state = app.on_upload(json.dumps(_gallery_data()).encode(), None)[0]
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(app, "build_view", broken)
-    app.RECORDED_VIEWS.clear()
+    monkeypatch.setattr(replay_events, "build_view", broken)
+    replay_events.RECORDED_VIEWS.clear()
     with pytest.warns(UserWarning, match="This trace is damaged"):
         out = app.on_replay_step(state)
     assert "damaged" in out[1 + VIEW_FIELDS.index("status")] and "Traceback" not in out[1 + VIEW_FIELDS.index("status")]

@@ -217,28 +217,30 @@ def test_a_bad_upload_leaves_the_page_and_its_replay_working():
 
 def test_a_replayed_step_draws_the_next_one_ahead():
     import app
+    import replay_events
 
     state = replay.moved(app.on_pick("dynamic_vs_fixed")[0], 0)
     for shown in (1, 2):
         state = app.on_replay_step(state)[0]
-        app.LOOK_AHEAD.submit(lambda: None).result()  # one worker: the look-ahead before it has finished
-        assert len(app.RECORDED_VIEWS) > 0
-        hits = app.RECORDED_VIEWS.hits
-        ahead = app._recorded_view(replay.moved(state, shown + 1), "")
-        assert app.RECORDED_VIEWS.hits == hits + 1  # already drawn: Step finds it cached
+        replay_events.LOOK_AHEAD.submit(lambda: None).result()  # one worker: the look-ahead before it has finished
+        assert len(replay_events.RECORDED_VIEWS) > 0
+        hits = replay_events.RECORDED_VIEWS.hits
+        ahead = replay_events.recorded_view(replay.moved(state, shown + 1), "")
+        assert replay_events.RECORDED_VIEWS.hits == hits + 1  # already drawn: Step finds it cached
         ahead_state = replay.moved(state, shown + 1)
         assert ahead.status == build_view(replay.replay_facts(ahead_state), ahead_state.shown - 1, "").status
 
 
 def test_revisit_appears_with_a_second_step_and_revisits_what_the_page_shows():
     import app
+    import replay_events
 
     slider = VIEW_FIELDS.index("step_slider") + 1  # outputs: the replay state, then the view
     picked = app.on_pick("dynamic_vs_fixed")
     assert picked[0].shown == 2 and picked[slider].visible is True  # opened on its point, step 2
     assert "Opened on step 2" in picked[1 + VIEW_FIELDS.index("status")]
     state = replay.moved(picked[0], 0)
-    assert app._replay_view(state)[slider].visible is False  # no "1 … 2" before any step
+    assert replay_events.replay_view(state)[slider].visible is False  # no "1 … 2" before any step
     first = app.on_replay_step(state)
     assert first[slider].visible is False  # one step: nothing to revisit yet
     state = app.on_replay_step(app.on_replay_step(first[0])[0])[0]

@@ -39,7 +39,7 @@ def test_overridden_lasts_for_its_block_only():
 
 def test_no_code_reads_a_switch_from_the_environment_but_the_settings():
     sources = [path for folder in ("core", "labstate", "viz", "offline") for path in (REPO / folder).rglob("*.py")]
-    sources += [REPO / "app.py", REPO / "page.py", REPO / "server.py"]
+    sources += [REPO / name for name in ("app.py", "page.py", "server.py", "replay_events.py")]
     readers = [path.relative_to(REPO).as_posix() for path in sources
                if path.name != "settings.py" and any(read in path.read_text(encoding="utf-8") for read in
                                                      ('environ.get("MEDUSA_LAB_', 'environ["MEDUSA_LAB_', 'getenv("MEDUSA_LAB_'))]
