@@ -35,7 +35,8 @@ from starlette.middleware import Middleware
 import labstate
 from core.settings import SETTINGS
 from labstate import replay
-from server import LOCAL_HOSTS, answer, client_address, from_api, quiet_queue, session_key
+from server import (answer, browser_on_this_machine, client_address, quiet_queue, session_key,
+                    wait_for_the_browser)
 from replay_events import (on_pick, on_replay_back, on_replay_end, on_replay_step, on_replay_view, on_upload,
                            prewarm, replay_view)
 from page import (FirstInHead, economics_panel, header, live_controls, replay_controls, revisit_slider, settings_event,
@@ -61,7 +62,7 @@ TRACE_TTL_S = 3600
 # every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
 RUN_REDRAW_S = SETTINGS.run_redraw_s
 REDRAW_CLOCK = time.monotonic  # the pacer's clock (tests start one at 0, as on a machine just booted)
-DRAW_WAIT_S = SETTINGS.draw_wait_s  # see _wait_for_the_browser
+DRAW_WAIT_S = SETTINGS.draw_wait_s  # see server.wait_for_the_browser
 QUEUE_POLL_S = SETTINGS.queue_poll_s  # see server.quiet_queue
 PROGRESS_POLL_S = 0.1
 PAGE_JS = (ASSETS / "page.js").read_text(encoding="utf-8")  # light theme, Enter in Revisit, arrow-key stepping
@@ -158,7 +159,7 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
         clicked_at = labstate.parse_clicked_at(clicked_at)
         labstate.warm_up(settings.precision, settings.spec.drafts, gr.Info)
         lab = labstate.decoding_state(SESSIONS, key, client_address(request))
-        local_browser = _browser_on_this_machine(request) and labstate.decoding_takes_every_core()
+        local_browser = browser_on_this_machine(request) and labstate.decoding_takes_every_core()
         with lab.working():
             pacer, latest = labstate.RedrawPacer(RUN_REDRAW_S, clock=REDRAW_CLOCK), note
             for message in labstate.run_to_end(lab, prompt, settings, alive=lambda: SESSIONS.is_live(key, lab),
@@ -169,33 +170,12 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
                     number = lab.expect_drawing() if local_browser else None
                     yield render_progress(lab, message=latest, draw_number=number)
                     if number is not None:
-                        _wait_for_the_browser(lab)
+                        wait_for_the_browser(lab, DRAW_WAIT_S)
             best = labstate.most_accepted_step(lab.run)  # a finished run opens where it accepted the most
             shown = f" Showing step {best + 1}, where a step emitted the most tokens." if best is not None else ""
             yield render(lab, index=best, message=latest + shown)  # the run's state, figures and all
     except Exception as error:  # noqa: BLE001
         yield answer(request, error, _user_view(request))
-
-
-def _browser_on_this_machine(request: gr.Request | None) -> bool:
-    """True for the page in a browser on this machine (a laptop in front of a class): where the decoding
-    takes every core, its drawing runs in the decoding's time."""
-    if from_api(request):
-        return False
-    host = getattr(getattr(request, "client", None), "host", "") or ""
-    return host in LOCAL_HOSTS
-
-
-def _wait_for_the_browser(lab: labstate.LabState) -> None:
-    """Leave the cores to a browser on this machine until it says it has drawn the redraw just sent (at
-    most DRAW_WAIT_S), counted as the page's time: drawn beside the next steps, a redraw cost them what
-    their clock charged to decoding. Chromium on the same 2-core EPYC (gguf-q8, `dynamic:auto+lookup`,
-    128 tokens; `offline.live_vs_bench --pairs`): the page says so 21-36 ms after a progress redraw
-    (40-90 ms after a run's first); a live step over the benchmark's 1.29 with no wait (6 pairs), 1.069
-    with this one (16 pairs), 1.080 with round 33's fixed 50 ms pause, which a slower browser outlasts."""
-    started = time.perf_counter()
-    drawn = lab.wait_drawn(DRAW_WAIT_S)
-    labstate.note_page_draw(lab, time.perf_counter() - started, drawn)
 
 
 def on_drawn(number: float | None, request: gr.Request = None) -> None:

@@ -24,6 +24,7 @@ from offline.served import free_port  # noqa: E402
 import labstate  # noqa: E402
 from labstate import replay as replay_module  # noqa: E402
 from core import settings  # noqa: E402
+import server  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
 from core.records import PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
@@ -512,7 +513,7 @@ def test_a_browser_on_this_machine_is_waited_for_until_it_has_drawn_each_redraw(
     """Issue 46: where the decoding takes every core, a browser on the same machine drew each Run-to-end
     redraw inside the next steps, and the steps' clock charged it to decoding. The run waits until the
     page says it has drawn the redraw (its number; an older number does not count; Stop ends the wait),
-    at most DRAW_WAIT_S, and counts the wait as the page's time; a browser elsewhere and API clients are
+    at most app.DRAW_WAIT_S, and counts the wait as the page's time; a browser elsewhere and API clients are
     never waited for."""
     from types import SimpleNamespace
 
@@ -520,16 +521,15 @@ def test_a_browser_on_this_machine_is_waited_for_until_it_has_drawn_each_redraw(
         return SimpleNamespace(client=SimpleNamespace(host=host), headers={"x-gradio-user": user} if user else {},
                                url=f"http://{host}:7860/gradio_api/queue/join")
 
-    assert app._browser_on_this_machine(request("127.0.0.1"))
-    assert app._browser_on_this_machine(request("::1"))
-    assert not app._browser_on_this_machine(request("10.0.0.7"))  # a classroom's laptops, a Space's visitors
-    assert not app._browser_on_this_machine(request("127.0.0.1", user="api"))  # gradio_client draws nothing
-    assert not app._browser_on_this_machine(None)
+    assert server.browser_on_this_machine(request("127.0.0.1"))
+    assert server.browser_on_this_machine(request("::1"))
+    assert not server.browser_on_this_machine(request("10.0.0.7"))  # a classroom's laptops, a Space's visitors
+    assert not server.browser_on_this_machine(request("127.0.0.1", user="api"))  # gradio_client draws nothing
+    assert not server.browser_on_this_machine(None)
     lab = labstate.LabState()
     lab.run = SimpleNamespace(page_seconds=[], draws_awaited=[], mode="running")
-    monkeypatch.setattr(app, "DRAW_WAIT_S", 600.0)  # never reached: each wait below ends on a word or on Stop
-    number = lab.expect_drawing()
-    waiter = threading.Thread(target=app._wait_for_the_browser, args=(lab,))
+    number = lab.expect_drawing()  # 600 s: never reached, each wait below ends on a word or on Stop
+    waiter = threading.Thread(target=server.wait_for_the_browser, args=(lab, 600.0))
     started = time.perf_counter()
     waiter.start()
     lab.mark_drawn(number - 1)  # an older redraw's word does not end the wait
@@ -541,14 +541,12 @@ def test_a_browser_on_this_machine_is_waited_for_until_it_has_drawn_each_redraw(
     assert not waiter.is_alive() and lab.run.draws_awaited == [True]
     assert 0 < lab.run.page_seconds[0] <= waited  # the wait is counted as the page's time
 
-    monkeypatch.setattr(app, "DRAW_WAIT_S", 0.05)  # a page that never says so: the run goes on after the wait
-    lab.expect_drawing()
-    app._wait_for_the_browser(lab)
+    lab.expect_drawing()  # a page that never says so: the run goes on after the wait
+    server.wait_for_the_browser(lab, 0.05)
     assert lab.run.draws_awaited == [True, False] and lab.run.page_seconds[-1] >= 0.05
 
-    monkeypatch.setattr(app, "DRAW_WAIT_S", 600.0)  # Stop while waiting: the loop goes on at once, to stop
-    lab.expect_drawing()
-    waiter = threading.Thread(target=app._wait_for_the_browser, args=(lab,))
+    lab.expect_drawing()  # Stop while waiting: the loop goes on at once, to stop
+    waiter = threading.Thread(target=server.wait_for_the_browser, args=(lab, 600.0))
     waiter.start()
     lab.stop()
     waiter.join(60)
