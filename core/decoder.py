@@ -182,9 +182,9 @@ class DecodeSession:
         self.fixed = config.resolve_fixed_tree() if self.family.decodes_fixed_tree or self.fixed_aside else None
         if self.fixed is not None and (self.fixed.max_rank >= MAX_TOP_M or self.fixed.num_nodes > MAX_BUDGET):
             raise ValueError(f"a fixed tree may use ranks below {MAX_TOP_M} and at most {MAX_BUDGET} nodes")
-        if self.fixed is not None and self.fixed.max_depth > (heads.config.num_heads if heads else 0):
+        if self.fixed is not None and self.fixed.max_depth > (heads.max_depth if heads else 0):
             raise ValueError(f"the fixed tree is {self.fixed.max_depth} deep but only "
-                             f"{heads.config.num_heads if heads else 0} heads are loaded")
+                             f"{heads.max_depth if heads else 0} heads are loaded")
         self.prompt_ids = list(prompt_ids)
         # plain decoding reserves nothing: the prompt needs room for one new token; near the
         # limit a tree step shrinks to the depth that still fits (see `_room`)

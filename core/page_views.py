@@ -68,12 +68,12 @@ class ProposedTree:
 
 @dataclass(frozen=True)
 class Asides:
-    """What the page draws beside a step (`DecodeSession._asides`); none of it is committed."""
+    """What the page draws beside a step (`PageObserver.asides`); none of it is committed."""
 
     proposal: ProposedTree | None = None
     comparison: TreeOutcome | None = None
     rival: TreeOutcome | None = None
-    # greedy: the fixed tree, judged after the step by the greedy tokens it verified (`_greedy_comparison`)
+    # greedy: the fixed tree, judged after the step by the greedy tokens it verified (`PageObserver.greedy_comparison`)
     fixed_to_judge: DraftTree | None = None
 
 
