@@ -171,6 +171,7 @@ def on_run(values: dict[str, Any], request: gr.Request | None, clicked_at: float
                     yield render_progress(lab, message=latest, draw_number=number)
                     if number is not None:
                         wait_for_the_browser(lab, DRAW_WAIT_S)
+            latest = labstate.run_end_message(lab, latest)
             best = labstate.most_accepted_step(lab.run)  # a finished run opens where it accepted the most
             shown = f" Showing step {best + 1}, where a step emitted the most tokens." if best is not None else ""
             yield render(lab, index=best, message=latest + shown)  # the run's state, figures and all

@@ -17,7 +17,7 @@ from core.tensor_thread import run_on_tensor_thread
 from labstate.errors import LabInputError, LabNotice, SessionExpired
 from labstate.limits import STEP_LOCK_TIMEOUT_S
 from labstate.plain import ar_baseline, compute_check, greedy_check, speed_vs_plain
-from labstate.modes import RUNNING
+from labstate.modes import RUNNING, STOPPED
 from labstate.runs import Prepared, Run, page_views, prepare
 from labstate.shared import cost_profile, measure_forward_seconds
 from labstate.sessions import LabState, SessionRegistry
@@ -71,6 +71,7 @@ def _finished_notice(run: Run) -> LabNotice:
 
 
 DROPPED_STEP = "Stopped: a Step clicked before Stop was dropped."
+STOPPED_MESSAGE = "Stopped. **Step** or **Run to end** go on from here."
 
 
 def step_run(lab: LabState, run: Run, epoch: int | None = None, clicked_at: float | None = None) -> StepRecord | None:
@@ -258,7 +259,16 @@ def stop(lab: LabState | None, clicked_at: float | None = None) -> str:
         return "Nothing to stop."
     lab.stop(clicked_at)
     wait_idle(lab)
-    return "Stopped. **Step** or **Run to end** go on from here."
+    return STOPPED_MESSAGE
+
+
+def run_end_message(lab: LabState, latest: str) -> str:
+    """The message of a Run loop's last redraw: Stop's own words when a Stop ended it (that redraw and
+    Stop's answer race to the page, so both say the same), else the loop's latest message."""
+    run = lab.run
+    if run is not None and run.mode == STOPPED and not run.session.finished:
+        return STOPPED_MESSAGE
+    return latest
 
 
 def require_run(lab: LabState | None) -> Run:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -106,98 +106,114 @@ class Runtime:
         return table
 
 
-_RUNTIMES: dict[str, Runtime] = {}  # precision -> its loaded runtime (warm_up says so before it loads one)
+@dataclass
+class SharedModels:
+    """What the process loads once and every user reads: a Runtime per precision, its verify-cost profile
+    (measured once, on its own thread) and a provisional profile's plain step. One object (`MODELS`);
+    tests swap in a fresh one (`monkeypatch.setattr(labstate.shared, "MODELS", SharedModels(...))`)."""
+
+    runtimes: dict[str, Runtime] = field(default_factory=dict)  # precision -> its loaded runtime
+    profiles: dict[str, CostProfile] = field(default_factory=dict)  # precision -> verify-cost profile
+    measuring: dict[str, threading.Thread] = field(default_factory=dict)  # precision -> the thread measuring it
+    plain_step_seconds: dict[str, float] = field(default_factory=dict)  # precision -> a timed plain step
+    _measuring_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `measuring`
+    _profile_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one measurement at a time
+
+    def runtime(self, precision: str) -> Runtime:
+        """The base model in `precision` and every family's weights, loaded once (a loaded one is returned
+        at once, without waiting for the tensor thread's queue)."""
+        loaded = self.runtimes.get(precision)
+        return loaded if loaded is not None else self._load(precision)
+
+    @tensor_work  # loading runs parallel operators: on the thread every later forward runs on
+    def _load(self, precision: str) -> Runtime:
+        if precision not in self.runtimes:  # two first calls queue one after the other: the second finds it
+            base = load_base_model(ModelConfig(dtype=precision))
+            loaded = {entry.weights_key: entry.load_weights(base) for entry in FAMILIES.values() if entry.drafts}
+            weights = {key: found for key, (found, _) in loaded.items()}
+            lines = [line for _, line in loaded.values() if line]
+            self.runtimes[precision] = Runtime(base=base, weights=weights, heads_description="; ".join(lines))
+        return self.runtimes[precision]
+
+    def warm_up(self, precision: str, tree: bool, notify: Callable[[str], None], wait: bool = False) -> None:
+        """Load what a first Start needs, saying what it does first: the model in `precision` (once per
+        precision) and, for tree strategies, the verify-cost profile (measured once, then cached on disk).
+        A Start never waits for the profile (`wait` False): it is measured on its own thread, a piece at a
+        time on the tensor thread, while runs start on a provisional one (`cost_profile`)."""
+        if precision not in self.runtimes:
+            notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
+        rt = self.runtime(precision)
+        if not tree or rt.base.config.dtype in self.profiles:
+            return
+        if wait:
+            self._measure_profile(rt)
+            return
+        if not profile_cached(rt.base) and self._start_measuring(rt):
+            notify("Measuring what a tree verify costs on this machine, in the background (once per precision, "
+                   "then cached); until then the auto budget starts from an estimate and corrects it by the "
+                   "steps' own times.")
+
+    def cost_profile(self, rt: Runtime, wait: bool = True) -> CostProfile:
+        """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk. With
+        `wait` False, a profile not yet measured is measured in the background and a provisional one (from
+        one plain step) is returned at once."""
+        profile = self.profiles.get(rt.base.config.dtype)
+        if profile is not None:
+            return profile
+        if wait or profile_cached(rt.base):
+            return self._measure_profile(rt)
+        self._start_measuring(rt)
+        return provisional_profile(1000 * self._plain_step_seconds(rt), str(rt.base.device), rt.base.source)
+
+    def _start_measuring(self, rt: Runtime) -> bool:
+        """Start measuring `rt`'s profile on its own thread unless one is at it; True when this call started it."""
+        key = rt.base.config.dtype
+        with self._measuring_lock:
+            if key in self.profiles or (key in self.measuring and self.measuring[key].is_alive()):
+                return False
+            self.measuring[key] = threading.Thread(target=self._measure_profile, args=(rt,), name=f"profile-{key}",
+                                                   daemon=True)
+            self.measuring[key].start()
+            return True
+
+    def _measure_profile(self, rt: Runtime) -> CostProfile:
+        """Measure (or read) the profile; each piece runs on the tensor thread, so user work interleaves."""
+        key = rt.base.config.dtype
+        with self._profile_lock:  # the warm-up thread and a Start's measuring thread measure once between them
+            if key not in self.profiles:
+                read_from_disk = profile_cached(rt.base)
+                self.profiles[key] = verify_profile(rt.base, run=run_on_tensor_thread)
+                if read_from_disk:  # no tree verify ran in this process yet: pay the first ones here, not in a step
+                    warm_verifies(rt.base, run=run_on_tensor_thread)
+        return self.profiles[key]
+
+    def _plain_step_seconds(self, rt: Runtime) -> float:
+        """One plain step's time over a short context (a provisional profile's scale), timed once per
+        precision: the Starts made while the profile is measured reuse it."""
+        key = rt.base.config.dtype
+        if key not in self.plain_step_seconds:
+            vocab = rt.base.model.config.vocab_size
+            ids = [token % vocab for token in range(1000, 1064)]
+            self.plain_step_seconds[key] = measure_forward_seconds(rt.base, ids)
+        return self.plain_step_seconds[key]
+
+
+MODELS = SharedModels()  # the process's one copy: the app and every session read it
 
 
 def runtime(precision: str) -> Runtime:
-    """The base model in `precision` and heads of the same dtype and device, loaded once
-    (a loaded one is returned at once, without waiting for the tensor thread's queue)."""
-    loaded = _RUNTIMES.get(precision)
-    return loaded if loaded is not None else _load_runtime(precision)
-
-
-@tensor_work  # loading runs parallel operators: on the thread every later forward runs on
-def _load_runtime(precision: str) -> Runtime:
-    if precision not in _RUNTIMES:  # two first calls queue one after the other: the second finds it loaded
-        base = load_base_model(ModelConfig(dtype=precision))
-        loaded = {entry.weights_key: entry.load_weights(base) for entry in FAMILIES.values() if entry.drafts}
-        weights = {key: found for key, (found, _) in loaded.items()}
-        lines = [line for _, line in loaded.values() if line]
-        _RUNTIMES[precision] = Runtime(base=base, weights=weights, heads_description="; ".join(lines))
-    return _RUNTIMES[precision]
+    """`MODELS.runtime`: the shared model and weights in `precision`, loaded once."""
+    return MODELS.runtime(precision)
 
 
 def warm_up(precision: str, tree: bool, notify: Callable[[str], None], wait: bool = False) -> None:
-    """Load what a first Start needs, saying what it does first: the model in `precision` (once per
-    precision) and, for tree strategies, the verify-cost profile (measured once, then cached on disk).
-    A Start never waits for the profile (`wait` False): it is measured on its own thread, a piece at a
-    time on the tensor thread, while runs start on a provisional one (`cost_profile`)."""
-    if precision not in _RUNTIMES:
-        notify(f"Loading the model in {precision} (the first run in this precision; about 15 s on a CPU)…")
-    rt = runtime(precision)
-    if not tree or rt.base.config.dtype in _PROFILES:
-        return
-    if wait:
-        _measure_profile(rt)
-        return
-    if not profile_cached(rt.base) and _start_measuring(rt):
-        notify("Measuring what a tree verify costs on this machine, in the background (once per precision, then "
-               "cached); until then the auto budget starts from an estimate and corrects it by the steps' own times.")
-
-
-_PROFILES: dict[str, CostProfile] = {}  # precision -> verify-cost profile (tests may seed it)
-_MEASURING: dict[str, threading.Thread] = {}  # precision -> the thread measuring its profile
-_MEASURING_LOCK = threading.Lock()  # guards _MEASURING
-_PROFILE_LOCK = threading.Lock()  # held while a profile is measured: measured once per precision
+    """`MODELS.warm_up`: load the model (and start measuring the profile), saying so first."""
+    MODELS.warm_up(precision, tree, notify, wait=wait)
 
 
 def cost_profile(rt: Runtime, wait: bool = True) -> CostProfile:
-    """The verify-cost profile: measured once per precision (5-10 s on a CPU), then cached on disk. With
-    `wait` False, a profile not yet measured is measured in the background and a provisional one (from
-    one plain step) is returned at once."""
-    profile = _PROFILES.get(rt.base.config.dtype)
-    if profile is not None:
-        return profile
-    if wait or profile_cached(rt.base):
-        return _measure_profile(rt)
-    _start_measuring(rt)
-    return provisional_profile(1000 * _plain_step_seconds(rt), str(rt.base.device), rt.base.source)
-
-
-def _start_measuring(rt: Runtime) -> bool:
-    """Start measuring `rt`'s profile on its own thread unless one is at it; True when this call started it."""
-    key = rt.base.config.dtype
-    with _MEASURING_LOCK:
-        if key in _PROFILES or (key in _MEASURING and _MEASURING[key].is_alive()):
-            return False
-        _MEASURING[key] = threading.Thread(target=_measure_profile, args=(rt,), name=f"profile-{key}", daemon=True)
-        _MEASURING[key].start()
-        return True
-
-
-def _measure_profile(rt: Runtime) -> CostProfile:
-    """Measure (or read) the profile; each piece runs on the tensor thread, so user work interleaves."""
-    key = rt.base.config.dtype
-    with _PROFILE_LOCK:  # the warm-up thread and a Start's measuring thread measure once between them
-        if key not in _PROFILES:
-            read_from_disk = profile_cached(rt.base)
-            _PROFILES[key] = verify_profile(rt.base, run=run_on_tensor_thread)
-            if read_from_disk:  # no tree verify ran in this process yet: pay the first ones here, not in a step
-                warm_verifies(rt.base, run=run_on_tensor_thread)
-    return _PROFILES[key]
-
-
-_PLAIN_STEP_SECONDS: dict[str, float] = {}  # precision -> a provisional profile's plain step, timed once
-
-
-def _plain_step_seconds(rt: Runtime) -> float:
-    """One plain step's time over a short context (a provisional profile's scale), timed once per
-    precision: the Starts made while the profile is measured reuse it."""
-    key = rt.base.config.dtype
-    if key not in _PLAIN_STEP_SECONDS:
-        vocab = rt.base.model.config.vocab_size
-        _PLAIN_STEP_SECONDS[key] = measure_forward_seconds(rt.base, [token % vocab for token in range(1000, 1064)])
-    return _PLAIN_STEP_SECONDS[key]
+    """`MODELS.cost_profile`: the verify-cost profile of `rt`'s precision."""
+    return MODELS.cost_profile(rt, wait=wait)
 
 
 @tensor_work

@@ -50,11 +50,11 @@ PROFILE = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], devi
 
 @pytest.fixture(scope="module", autouse=True)
 def profiles():
-    saved = dict(labstate._PROFILES)
-    labstate._PROFILES.update({"fp32": PROFILE, "bf16": PROFILE, "gguf": PROFILE})
+    saved = dict(labstate.shared.MODELS.profiles)
+    labstate.shared.MODELS.profiles.update({"fp32": PROFILE, "bf16": PROFILE, "gguf": PROFILE})
     yield
-    labstate._PROFILES.clear()
-    labstate._PROFILES.update(saved)
+    labstate.shared.MODELS.profiles.clear()
+    labstate.shared.MODELS.profiles.update(saved)
 
 
 @contextlib.contextmanager

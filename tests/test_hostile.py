@@ -75,7 +75,7 @@ def test_a_flood_through_the_served_app_leaves_another_clients_session_stepping(
     from core.budget.cost_profile import CostProfile
     monkeypatch.setattr(app, "SESSIONS", labstate.SessionRegistry(max_sessions=32, per_client=8))
     fake = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], device="cpu", model="test")
-    monkeypatch.setitem(labstate._PROFILES, "fp32", fake)  # no background measurement racing the flood
+    monkeypatch.setitem(labstate.shared.MODELS.profiles, "fp32", fake)  # no background measurement racing the flood
     port = free_port()
     app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                     **app.launch_kwargs())

@@ -91,7 +91,7 @@ def tiny_runtime(monkeypatch):
     base = tiny_base("llama", max_positions=2048)  # the lab keeps room for 1024 new tokens and a 256-node tree
     rt = medusa_runtime(base)
     monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
-    monkeypatch.setitem(labstate._PROFILES, base.config.dtype,
+    monkeypatch.setitem(labstate.shared.MODELS.profiles, base.config.dtype,
                         CostProfile(sizes=[1, 16, 64], ms=[10.0, 12.0, 30.0], device="cpu", model="tiny"))
     return rt
 
@@ -101,9 +101,7 @@ def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypat
     import labstate.shared as shared
     base = tiny_base("llama")
     rt = medusa_runtime(base)
-    monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)  # the model is loaded: nothing to say about loading
-    monkeypatch.setattr(shared, "_PROFILES", {})
-    monkeypatch.setattr(shared, "_MEASURING", {})
+    monkeypatch.setattr(shared, "MODELS", shared.SharedModels(runtimes={"fp32": rt}))  # loaded: nothing to say
     monkeypatch.setattr(shared, "profile_cached", lambda base: cached_on_disk)
     monkeypatch.setattr(shared, "verify_profile", lambda base, **how: CostProfile(sizes=[1, 16], ms=[10.0, 12.0],
                                                                                   device="cpu", model="tiny"))
@@ -111,9 +109,9 @@ def test_a_first_start_says_what_it_measures_and_nothing_it_only_reads(monkeypat
     shared.warm_up("fp32", tree=True, notify=messages.append)
     assert [m[:len(p)] for m, p in zip(messages, said)] == said and len(messages) == len(said)
     if not cached_on_disk:  # measured on its own thread: a Start never waits for it
-        shared._MEASURING[base.config.dtype].join(10)
+        shared.MODELS.measuring[base.config.dtype].join(10)
     shared.cost_profile(rt)
-    assert base.config.dtype in shared._PROFILES
+    assert base.config.dtype in shared.MODELS.profiles
 
 
 @pytest.mark.parametrize("cached_on_disk", [True, False])
@@ -126,7 +124,7 @@ def test_a_profile_read_from_disk_warms_every_tree_size_before_a_user_step(monke
     base = tiny_base("llama", max_positions=2048)
     rt = medusa_runtime(base)
     profile = CostProfile(sizes=[1, 16], ms=[10.0, 12.0], device="cpu", model="tiny")
-    monkeypatch.setattr(shared, "_PROFILES", {})
+    monkeypatch.setattr(shared, "MODELS", shared.SharedModels())
     monkeypatch.setattr(shared, "profile_cached", lambda base: cached_on_disk)
     monkeypatch.setattr(shared, "verify_profile", lambda base, **how: profile)
     verified_rows: list[int] = []
@@ -137,7 +135,7 @@ def test_a_profile_read_from_disk_warms_every_tree_size_before_a_user_step(monke
         return real_verify(base, cache, tokens, *args, **kwargs)
 
     monkeypatch.setattr(cost_profile, "verify_tree", counted_verify)
-    assert shared._measure_profile(rt) is profile
+    assert shared.MODELS._measure_profile(rt) is profile
     assert verified_rows == (list(cost_profile.WARM_SIZES) if cached_on_disk else [])
     assert max(cost_profile.WARM_SIZES) >= 64 and min(cost_profile.WARM_SIZES) <= 2
 
@@ -151,10 +149,8 @@ def test_a_first_start_draws_a_tree_while_the_profile_is_still_being_measured(mo
     import labstate.shared as shared
     base = tiny_base("llama", max_positions=2048)  # room for the lab's token and tree limits
     rt = medusa_runtime(base)
-    monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)
+    monkeypatch.setattr(shared, "MODELS", shared.SharedModels(runtimes={"fp32": rt}))
     monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
-    monkeypatch.setattr(shared, "_PROFILES", {})
-    monkeypatch.setattr(shared, "_MEASURING", {})
     monkeypatch.setattr(shared, "profile_cached", lambda base: False)
     release, measured = threading.Event(), CostProfile(sizes=[1, 16, 64], ms=[10.0, 12.0, 30.0], device="cpu",
                                                        model="tiny")
@@ -172,10 +168,10 @@ def test_a_first_start_draws_a_tree_while_the_profile_is_still_being_measured(mo
     run = labstate.start_run(lab, PROMPT, settings)
     assert "provisional" in run.session.controller.profile.model
     drawn = [labstate.step_run(lab, run) for _ in range(3)]
-    assert shared._MEASURING["fp32"].is_alive() and "fp32" not in shared._PROFILES  # still measuring
+    assert shared.MODELS.measuring["fp32"].is_alive() and "fp32" not in shared.MODELS.profiles  # still measuring
     assert any(record.proposal is not None or record.outcome.tree.num_nodes for record in drawn)
     release.set()
-    shared._MEASURING["fp32"].join(10)
+    shared.MODELS.measuring["fp32"].join(10)
     assert shared.cost_profile(rt, wait=False) is measured
 
 
@@ -206,10 +202,8 @@ def test_the_page_runs_every_tensor_operator_on_the_tensor_thread(monkeypatch, t
         return medusa_runtime(base)
 
     rt = run_on_tensor_thread(load)
-    monkeypatch.setitem(shared._RUNTIMES, "fp32", rt)
+    monkeypatch.setattr(shared, "MODELS", shared.SharedModels(runtimes={"fp32": rt}))
     monkeypatch.setattr(labstate.runs, "runtime", lambda precision: rt)
-    monkeypatch.setattr(shared, "_PROFILES", {})
-    monkeypatch.setattr(shared, "_MEASURING", {})
     monkeypatch.setattr(cost_profile, "measured_quietly", lambda *ms: True)
     measured_in = tmp_path / "profiles"
     monkeypatch.setattr(shared, "profile_cached", lambda base: cost_profile.profile_cached(base, measured_in))
@@ -219,7 +213,7 @@ def test_the_page_runs_every_tensor_operator_on_the_tensor_thread(monkeypatch, t
     lab = labstate.LabState()
     with OperatorsOnThisThread() as operators:
         shared.warm_up("fp32", tree=True, notify=lambda message: None, wait=True)  # measured, then written
-        shared._PROFILES.clear()
+        shared.MODELS.profiles.clear()
         shared.warm_up("fp32", tree=True, notify=lambda message: None, wait=True)  # read back, then warmed
         labstate.start_fresh(lab, PROMPT, settings)
         labstate.step_once(lab, PROMPT, settings)
@@ -587,6 +581,21 @@ def test_a_finished_run_opens_on_the_step_that_emitted_the_most_tokens(tiny_runt
     emitted = [len(r.new_tokens) for r in lab.run.session.records]
     assert labstate.most_accepted_step(lab.run) == emitted.index(max(emitted))
     assert labstate.most_accepted_step(None) is None
+
+
+def test_a_run_loop_ended_by_stop_ends_with_stops_own_words(tiny_runtime):
+    """The Run loop's last redraw and Stop's answer race to the page: when a Stop ended the loop both say
+    "Stopped.", so the page says it whichever lands last; a paused or finished run keeps the loop's words."""
+    settings = labstate.parse_settings({**SETTINGS, "max_new_tokens": 12})
+    lab = labstate.LabState()
+    labstate.step_once(lab, PROMPT, settings)
+    assert labstate.run_end_message(lab, "latest") == "latest"  # paused
+    assert labstate.stop(lab) == labstate.STOPPED_MESSAGE
+    assert labstate.run_end_message(lab, "latest") == labstate.STOPPED_MESSAGE
+    while not lab.run.session.finished:
+        labstate.step_once(lab, PROMPT, settings)
+    assert labstate.run_end_message(lab, "latest") == "latest"
+    assert labstate.run_end_message(labstate.LabState(), "latest") == "latest"
 
 
 def test_the_depth_a_run_may_ask_for_is_its_own_drafters():

@@ -52,9 +52,9 @@ RSS_LIMIT_BYTES = 3 * 1024 ** 3
 @pytest.fixture(scope="module")
 def url():
     """The app in this process, with a fresh session registry (so earlier test modules do not count)."""
-    saved, saved_profiles = app.SESSIONS, dict(labstate._PROFILES)
+    saved, saved_profiles = app.SESSIONS, dict(labstate.shared.MODELS.profiles)
     fake = CostProfile(sizes=[1, 16, 64, 256], ms=[30.0, 40.0, 90.0, 300.0], device="cpu", model="test")
-    labstate._PROFILES.update({"fp32": fake, "bf16": fake, "gguf": fake})  # no 5-10 s measurement here
+    labstate.shared.MODELS.profiles.update({"fp32": fake, "bf16": fake, "gguf": fake})  # no 5-10 s measurement here
     app.SESSIONS = labstate.SessionRegistry(max_sessions=64, idle_seconds=600)
     port = free_port()
     app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
@@ -62,8 +62,8 @@ def url():
     yield f"http://127.0.0.1:{port}/"
     app.demo.close()
     app.SESSIONS = saved
-    labstate._PROFILES.clear()
-    labstate._PROFILES.update(saved_profiles)
+    labstate.shared.MODELS.profiles.clear()
+    labstate.shared.MODELS.profiles.update(saved_profiles)
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +307,7 @@ def test_eight_clients_stepping_interleaved_get_their_own_exact_text(url, plain_
 def test_auto_budget_shows_the_node_count_chosen_each_step(url, plain_greedy, monkeypatch):
     # a made-up cost profile (verify cost rising steeply with size) instead of a 5-10 s measurement
     profile = CostProfile(sizes=[1, 4, 16, 64], ms=[10.0, 14.0, 40.0, 160.0], device="cpu", model="test")
-    monkeypatch.setitem(labstate._PROFILES, str(labstate.runtime("fp32").base.dtype), profile)
+    monkeypatch.setitem(labstate.shared.MODELS.profiles, str(labstate.runtime("fp32").base.dtype), profile)
     client = _client(url)
     view = _call(client, "step", PROMPT_A, strategy="dynamic:auto", max_new_tokens=6)
     nodes = view[OUT["summary"]]["nodes_per_step"]
@@ -325,7 +325,7 @@ def test_auto_budget_shows_the_node_count_chosen_each_step(url, plain_greedy, mo
 def test_lookup_strategy_copies_through_the_api(url, plain_greedy, monkeypatch):
     """dynamic:auto+lookup through gradio_client: exact output, copied nodes accepted, labelled as such."""
     profile = CostProfile(sizes=[1, 16, 64], ms=[10.0, 11.0, 40.0], device="cpu", model="test")
-    monkeypatch.setitem(labstate._PROFILES, str(labstate.runtime("fp32").base.dtype), profile)
+    monkeypatch.setitem(labstate.shared.MODELS.profiles, str(labstate.runtime("fp32").base.dtype), profile)
     prompt = "Repeat exactly: red, orange, yellow, green, blue, indigo, violet, red, orange, yellow."
     client = _client(url)
     final = _call(client, "run", prompt, strategy="dynamic:auto+lookup", max_new_tokens=24)
