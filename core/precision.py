@@ -17,7 +17,7 @@ import torch
 
 from core import settings
 from core.machine import cpu_fingerprint, measured_quietly, median_ms
-from core.model import gguf_location
+from core.paths import gguf_location
 from core.paths import CACHE_DIR
 
 log = logging.getLogger(__name__)

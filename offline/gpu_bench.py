@@ -57,7 +57,8 @@ def shipped_shape_model(dtype: torch.dtype) -> torch.nn.Module:
 def load_model(mode: str, shape_only: bool) -> tuple[torch.nn.Module, str]:
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     if not shape_only:
-        from core.model import ModelConfig, gguf_location, load_base_model
+        from core.model import ModelConfig, load_base_model
+        from core.paths import gguf_location
         if gguf_location() is not None:
             base = load_base_model(ModelConfig(dtype=mode, device="cuda", engine="lean"))
             return base.model, base.source

