@@ -34,9 +34,9 @@ from core.families import family
 from core.kvcache import cache_length, keep_accepted
 from core.model import DEFAULT_MODEL, BaseModel
 from core.budget.cost_profile import CostProfile, verify_profile
-from core.records import PhaseTimes, StepRecord, TreeOutcome
+from core.records import PhaseTimes, StepKind, StepRecord, TreeOutcome
 from core.strategy import (AUTOREGRESSIVE, DEFAULT_BEAM, DEFAULT_DEPTH, DEFAULT_FIXED_TREE, DEFAULT_NEW_TOKENS, DEFAULT_TOP_M,
-                           DYNAMIC, LOOKUP, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH,
+                           DYNAMIC, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH,
                            MAX_NEW_TOKENS, MAX_TOP_M, PEERS, STORE_TOKENS, StrategyError, StrategySpec,
                            check_int, parse_strategy, strategy_families)
 from core.sampling import next_token
@@ -94,7 +94,7 @@ class DecodeConfig:
 
     @property
     def strategy(self) -> str:
-        """The family decoded (`core.families`): what `StepRecord.strategy` names a tree step."""
+        """The family decoded (`core.families`): every `StepRecord.family` of the run."""
         return self.spec.family
 
     @property
@@ -400,7 +400,8 @@ class DecodeSession:
                               node_scores=[1.0], accepted_nodes=[0], bonus_token=bonus,
                               node_texts=self._texts([root]), bonus_text="".join(self._texts([bonus])),
                               head_scores=[1.0])
-        return StepRecord(index=len(self.records), strategy=AUTOREGRESSIVE, context_length=context,
+        return StepRecord(index=len(self.records), family=self.config.strategy, kind=StepKind.PLAIN,
+                          context_length=context,
                           head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus], times=PhaseTimes(),
                           top_logits=_top2(logits))  # the margin of this choice, for near-tie checks
 
@@ -477,9 +478,9 @@ class DecodeSession:
         step verified the chains alone."""
         shown = min(self.config.top_m, 10)
         head_ids = heads.token_ids[:, :shown].tolist() if heads is not None else []
-        kind = self.config.strategy if heads is not None else LOOKUP if draft.tree.num_nodes else AUTOREGRESSIVE
+        kind = StepKind.TREE if heads is not None else StepKind.CHAINS if draft.tree.num_nodes else StepKind.PLAIN
         return StepRecord(
-            index=len(self.records), context_length=context, strategy=kind,
+            index=len(self.records), context_length=context, family=self.config.strategy, kind=kind,
             head_token_ids=head_ids, head_probs=heads.probs[:, :shown].tolist() if heads is not None else [],
             outcome=outcome, new_tokens=outcome.accepted_tokens + [outcome.bonus_token], times=PhaseTimes(),
             head_texts=[self._texts(row) for row in head_ids] if self.page.texts else [],

@@ -5,6 +5,7 @@ Their own module so that viz/ and the benchmark depend on records, not on the de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from core.families import grows_tree
 from core.tree import CandidateTree
@@ -113,12 +114,21 @@ class TreeOutcome:
         return "heads"
 
 
+class StepKind(StrEnum):
+    """What a step verified (a str: traces write its value)."""
+
+    TREE = "tree"  # the drafters' tree (with the run's chains, if it has any)
+    PLAIN = "plain"  # the root alone: the base model's one token (plain decoding, or a step with no guess)
+    CHAINS = "chains"  # the chains alone (prompt lookup, the datastore): the auto budget skipped the heads
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """Everything one step did, for the UI, the benchmark and JSON traces."""
 
     index: int
-    strategy: str  # autoregressive | fixed | dynamic | hydra | lookup (a step that verified only the chains)
+    family: str  # the run's family (core.families): autoregressive | fixed | dynamic | hydra | eagle | ...
+    kind: StepKind  # what this step verified: the drafters' tree, the root alone or the chains alone
     context_length: int  # tokens in the KV cache before the step
     head_token_ids: list[list[int]]  # [K][m] each head's top-m tokens
     head_probs: list[list[float]]  # [K][m] their (softmax) probabilities

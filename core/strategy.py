@@ -23,8 +23,7 @@ from core.families import AUTOREGRESSIVE, DYNAMIC, EAGLE, FAMILIES, FIXED, HYDRA
 from core.limits import (MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH, MAX_NEW_TOKENS,  # noqa: F401
                          MAX_TOP_M, MAX_TREE_ROWS)  # the sizes, said where the grammar is read too
 
-# decoding families (the values StepRecord.strategy and DecodeConfig.strategy take): core.families
-LOOKUP = "lookup"  # a step that verified only the prompt-lookup chain (a step kind, not a family)
+# decoding families (the values StepRecord.family and DecodeConfig.strategy take): core.families
 HF = "hf"  # transformers' generate as a peer (benchmark only)
 LLAMACPP = "llamacpp"  # llama.cpp's plain decoding of the same GGUF as a peer (benchmark only, optional)
 HF_PEERS = ("greedy", "prompt_lookup")

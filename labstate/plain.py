@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from core.decoder import DecodeConfig, PageViews, decode
 from core.exactness import bf16_rounding_step, divergence_from_margins, plain_margins
+from core.records import StepKind
 from core.strategy import AUTOREGRESSIVE
 from core.tensor_thread import run_on_tensor_thread
 from labstate.limits import MAX_REFERENCES
@@ -122,7 +123,7 @@ def _plain_step(record: "StepRecord") -> bool:
     """A step that decoded one token with no tree built (the auto budget's probes and back-offs; at
     most a prompt lookup that found nothing): plain decoding's time, not a step that drafted nodes
     and then verified the root alone."""
-    return record.strategy == AUTOREGRESSIVE and record.times.total > 0 and record.times.tree == 0
+    return record.kind == StepKind.PLAIN and record.times.total > 0 and record.times.tree == 0
 
 
 def ar_baseline(lab: LabState, run: Run) -> ArBaseline:

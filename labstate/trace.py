@@ -1,14 +1,15 @@
 """A run as a versioned JSON trace, and back: everything the views draw, so a trace replays without a model.
 
-Format (version 2), one JSON object:
-- `version`: 2; `kind`: "medusa-tree-lab-trace";
+Format (version 3), one JSON object:
+- `version`: 3; `kind`: "medusa-tree-lab-trace";
 - `facts`: the run as the views see it (`viz.facts.RunFacts`): `prompt`, `strategy` (core.strategy
   grammar), `settings` (every setting by name), `output_ids`, `first_text`, `text`, `token_bytes`
   (hex bytes of every token drawn, so labels join byte-level pieces as live), `stats` (the speed
   card: tokens/s, the ratio to plain decoding and its basis), `check` (the plain-greedy comparison),
   `ar` (the recorded plain-decoding baseline: per-token seconds or a one-token estimate), `state`,
   `note`, `finished`, `stop_reason`, `model`, `heads`;
-- `steps`: one `core.records.StepRecord` per step, field by field: the heads' top-m tokens and
+- `steps`: one `core.records.StepRecord` per step, field by field: the run's `family` and the step's
+  `kind` (what it verified: "tree", "plain" or "chains"), the heads' top-m tokens and
   probabilities, the verified tree (`outcome`: rank paths, scores, node tokens and texts, sources,
   accepted path, bonus token, the base model's argmax after each node), the fixed-tree
   counterfactual (`comparison`), the other heads family's tree on the same context (`rival`: Hydra
@@ -16,6 +17,9 @@ Format (version 2), one JSON object:
   verified a part of it (`proposal`; absent in older traces), phase times, the controller's state;
 - `meta`: free-form extras (the run summary, the DecodeConfig, prefill time; a gallery entry adds
   `title`, `notice` and per-step `notes`).
+
+Version 2 (a step's `strategy` held its family or, for a plain or chains-only step, "autoregressive" or
+"lookup") is read by rewriting its steps (`upgrade_trace`).
 
 `to_jsonable` writes init fields that do not start with an underscore (CandidateTree keeps an index
 and cached buffers), tensors as lists and non-finite floats as null. `load_trace` rebuilds the same
@@ -28,15 +32,16 @@ import html
 import json
 import math
 import re
+from enum import Enum
 from typing import Any, Mapping
 
-from core.families import FAMILIES
-from core.records import PhaseTimes, StepRecord, TreeOutcome
+from core.families import AUTOREGRESSIVE, FAMILIES
+from core.records import PhaseTimes, StepKind, StepRecord, TreeOutcome
 from core.strategy import MAX_DEPTH, MAX_TOP_M, MAX_TREE_ROWS, StrategyError, parse_strategy
 from core.tree import CandidateTree
 from viz.facts import ArBaseline, RunFacts, RunStats
 
-TRACE_VERSION = 2
+TRACE_VERSION = 3
 TRACE_KIND = "medusa-tree-lab-trace"
 MAX_TRACE_BYTES = 8_000_000  # a 1024-token run with 256-node trees is about 3 MB
 MAX_TRACE_STEPS = 1100
@@ -70,6 +75,8 @@ def to_jsonable(value: Any) -> Any:
         return [to_jsonable(v) for v in value]
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, Enum):
+        return value.value
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if hasattr(value, "tolist"):  # torch tensors, numpy arrays and scalars
@@ -187,6 +194,23 @@ def _outcome(data: dict) -> TreeOutcome:
     return outcome
 
 
+def _family(name: object) -> str:
+    if name not in FAMILIES:
+        raise ValueError(f"a step's family must be one of {sorted(FAMILIES)}")
+    return str(name)
+
+
+def upgrade_trace(data: dict) -> dict:
+    """A version-2 trace as version 3: each step's `strategy` (its family, or "autoregressive" / "lookup" for a
+    step that verified the root or the chains alone) becomes the run's `family` and the step's `kind`."""
+    family = parse_strategy(data["facts"]["strategy"]).family
+    kinds = {AUTOREGRESSIVE: StepKind.PLAIN.value, "lookup": StepKind.CHAINS.value}
+    steps = [{**{k: v for k, v in step.items() if k != "strategy"}, "family": family,
+              "kind": kinds.get(step.get("strategy"), StepKind.TREE.value)}
+             if isinstance(step, dict) else step for step in data.get("steps", [])]
+    return {**data, "version": TRACE_VERSION, "steps": steps}
+
+
 def _step(data: dict, number: int) -> StepRecord:
     times = {name: _between(data["times"].get(name, 0.0), 0.0, 3600.0, f"a step's {name} seconds")
              for name in ("heads", "tree", "verify", "accept", "commit", "compare")}
@@ -199,7 +223,7 @@ def _step(data: dict, number: int) -> StepRecord:
         raise ValueError("head tokens and probabilities differ in shape")
     top = data.get("top_logits")
     record = StepRecord(
-        index=_int(data["index"], "a step index"), strategy=str(data["strategy"]),
+        index=_int(data["index"], "a step index"), family=_family(data["family"]), kind=StepKind(data["kind"]),
         context_length=_int(data["context_length"], "a context length"),
         head_token_ids=heads, head_probs=probs, outcome=_outcome(data["outcome"]), new_tokens=_ints(data["new_tokens"]),
         times=PhaseTimes(**times), comparison=None if data.get("comparison") is None else _outcome(data["comparison"]),
@@ -295,7 +319,7 @@ def _parse(raw: str | bytes) -> dict:
                          "writes)") from None
     if not isinstance(data, dict) or data.get("kind", TRACE_KIND) != TRACE_KIND or "version" not in data:
         raise TraceError("not a Medusa Tree Lab trace: expected a JSON object with a version, facts and steps")
-    if data["version"] != TRACE_VERSION:
+    if data["version"] not in (2, TRACE_VERSION):
         raise TraceError(f"this trace is version {data['version']!r}; this lab replays version {TRACE_VERSION} "
                          f"(export the run again from a current lab)")
     return data
@@ -307,6 +331,7 @@ def load_trace(raw: str | bytes, untrusted: bool = False) -> Trace:
     written, never as Markdown or HTML (a shared trace must not load images or change the layout)."""
     data = _parse(raw)
     try:
+        data = upgrade_trace(data) if data["version"] == 2 else data
         steps_data, meta = data["steps"], dict(data.get("meta") or {})
         if not isinstance(steps_data, list) or len(steps_data) > MAX_TRACE_STEPS:
             raise ValueError(f"steps must be a list of at most {MAX_TRACE_STEPS}")

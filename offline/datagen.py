@@ -113,7 +113,7 @@ class AnswerFeatures:
     teacher_ids: torch.Tensor  # [n, TEACHER_TOP] int32: the model's top next tokens there
     teacher_probs: torch.Tensor  # [n, TEACHER_TOP] float16: their probabilities
     # [T, n, H] bf16: the residual streams entering the EAGLE taps' layers there (`eagle_taps`);
-    # None from generators before round 29 (offline.eagle_features extracts those answers again)
+    # None from a generator that did not capture them (offline.eagle_features extracts those answers again)
     tapped: torch.Tensor | None = None
 
 

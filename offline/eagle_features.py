@@ -5,7 +5,7 @@
 At answer position j the base model's states at the token before answer[j] are captured: the
 residual stream entering the decoder layers `eagle_taps` names (low, middle) and the final normed hidden
 state (high: what the lm_head reads), each bf16, with the teacher's top-32 there. Answers whose
-generation kept them (`offline.datagen` captures the taps while writing since round 29) are read
+generation kept them (`offline.datagen` captures the taps while it writes) are read
 from `<data>.features/`; the others take one teacher-forced forward per batch of answers. Written
 in shards under `data/eagle/` so a stopped run resumes where it stopped. Answers are never committed
 (only their token ids are: docs/DATA.md).

@@ -59,7 +59,7 @@ class TrainConfig:
     batch_size: int = 1024
     lr: float = 3e-3
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0  # gradients clipped to this norm (0: off); round 16's Hydra++ run diverged without
+    max_grad_norm: float = 1.0  # gradients clipped to this norm (0: off); Hydra++ diverged without
     dropout: float = 0.0  # on the heads' inputs while training (Hydra++ used 0.2)
     noise: float = 0.0  # Gaussian noise on the heads' inputs while training, times their RMS (0: none)
     decay: float = 0.8
@@ -333,7 +333,7 @@ def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], tuple[torc
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # one batch is a few whole answers when a prefix layer trains: an outlier batch at the peak
-        # learning rate sent round 16's Hydra++ run from loss ~20 to 1,115 at step 300 without clipping
+        # learning rate sent a Hydra++ run from loss ~20 to 1,115 at step 300 without clipping
         norm = (torch.nn.utils.clip_grad_norm_(module.parameters(), config.max_grad_norm)
                 if config.max_grad_norm > 0 else torch.zeros(()))
         optimizer.step()

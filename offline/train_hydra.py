@@ -83,7 +83,7 @@ def prefix_states(heads: HydraHeads, hidden: torch.Tensor, index: torch.Tensor, 
 def answer_order(remaining: torch.Tensor, seed: int, stretch: int = 0) -> torch.Tensor:
     """Every position, in stretches of `stretch` consecutive positions of one answer (0: whole
     answers), the stretches in a shuffled order. Short stretches mix many answers into a batch
-    (round 16's whole-answer batches held 4-5 answers and cost ~.03 top-1 at every depth);
+    (whole-answer batches hold 4-5 answers and cost ~.03 top-1 at every depth);
     `prefix_states` gives each stretch its answer's earlier positions as context."""
     ends = torch.nonzero(remaining == 0).flatten() + 1  # [A] one past each answer's last position
     starts = torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])  # [A]

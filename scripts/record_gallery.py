@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import labstate
-from core.records import StepRecord
-from core.strategy import AUTOREGRESSIVE, LOOKUP
+from core.records import StepKind, StepRecord
 
 GALLERY = Path(__file__).resolve().parent.parent / "assets" / "gallery"
 Notes = Callable[[list[StepRecord]], dict[int, str]]
@@ -51,7 +50,7 @@ def _dynamic_beats_fixed(records: list[StepRecord]) -> dict[int, str]:
 def _right_then_wrong(records: list[StepRecord]) -> dict[int, str]:
     return {r.index: "head 1's and head 2's guesses were right (accepted, depth 1-2) but no depth-3 guess matched "
                      "what the base model wanted: see the verification table" for r in records
-            if r.strategy not in (AUTOREGRESSIVE, LOOKUP) and _accepted(r) == 2 and r.outcome.tree.max_depth >= 3}
+            if r.kind == StepKind.TREE and _accepted(r) == 2 and r.outcome.tree.max_depth >= 3}
 
 
 def _hydra_beats_medusa(records: list[StepRecord]) -> dict[int, str]:

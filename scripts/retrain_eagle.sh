@@ -3,7 +3,7 @@
 # the recipe can span sessions on one machine (`data/` is never committed). Run it on a quiet machine:
 #   nohup bash scripts/retrain_eagle.sh > data/retrain_eagle.log 2>&1 &
 #   1. ShareGPT first turns answered (SHAREGPT_ANSWERS of them, default 5,024: as many as the heads'
-#      round 16 answered, from the same prompts), the EAGLE taps captured while writing (no second forward);
+#      training answered, from the same prompts), the EAGLE taps captured while writing (no second forward);
 #   2. the shipped layer continued on those answers alone (their features are read from what generation
 #      captured: minutes, where the committed answers need hours of forwards) into SHAREGPT_OUT, with its
 #      held-out report: the first result, on a 2-core CPU within a session of the answers;

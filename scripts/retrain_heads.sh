@@ -19,9 +19,9 @@ PY=.venv/bin/python
 EPOCHS=${EPOCHS:-1.0}
 MEDUSA_OUT=${MEDUSA_OUT:-assets/heads_candidate}
 HYDRA_OUT=${HYDRA_OUT:-assets/hydra_candidate}
-# round 18's recipes (README, "Drafters and results at a glance"); HYDRA_EXTRA adds flags to both Hydra stages
+# the shipped heads' recipes (docs/RESULTS.md); HYDRA_EXTRA adds flags to both Hydra stages
 SHARED=(--depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
-RECIPE=(--epochs "$EPOCHS" --num-layers 2 "${SHARED[@]}")  # Medusa, round 18: 2 ResBlocks per head
+RECIPE=(--epochs "$EPOCHS" --num-layers 2 "${SHARED[@]}")  # Medusa: 2 ResBlocks per head
 mkdir -p data
 unpack() {  # a committed answer file into data/, unless a (possibly longer) copy is there already
   if [ -f "assets/distill/$1" ] && [ ! -s "data/$2" ]; then
@@ -50,7 +50,7 @@ if [ "${SHAREGPT:-0}" = "1" ]; then
       --max-new-tokens 256
   DATA=$DATA,data/distill_chat.jsonl
 fi
-# Hydra, round 18's recipe (shipped): Hydra++'s prefix layer on batches of 64-position stretches,
+# Hydra, the shipped recipe: Hydra++'s prefix layer on batches of 64-position stretches,
 # 2 epochs over the chat data (ShareGPT + the older instruction answers), then 1 epoch over all
 # of it at lr 1e-3 from there (--init). Where ShareGPT's answers are absent stage 1 reads all data.
 CHAT=data/distill.jsonl

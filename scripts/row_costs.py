@@ -4,8 +4,8 @@
 
 Prints, for 1 / 2 / 4 / 8 new rows on a 200-token cache: the whole lean forward, its projections
 alone (all layers, the chosen kernel per row bucket) and the vocabulary projection; then the
-projections with every bucket forced to one kernel. Round 18 found with it that a 2-row fp32
-verify ran the 8-row winners (core.engine.ROW_BUCKETS). Run it alone: it times.
+projections with every bucket forced to one kernel: it shows whether a row count runs kernels
+chosen for another (core.engine.ROW_BUCKETS). Run it alone: it times.
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from core import settings  # noqa: E402
 import server  # noqa: E402
 from core.decoder import DecodeConfig, decode  # noqa: E402
 from core.budget.cost_profile import CostProfile  # noqa: E402
-from core.records import PhaseTimes, StepRecord, TreeOutcome  # noqa: E402
-from core.strategy import DYNAMIC, LOOKUP, StrategySpec  # noqa: E402
+from core.records import PhaseTimes, StepKind, StepRecord, TreeOutcome  # noqa: E402
+from core.strategy import DYNAMIC, StrategySpec  # noqa: E402
 from core.tree import CandidateTree, fixed_tree  # noqa: E402
 import viz.view as view_module  # noqa: E402
 from viz.facts import RunFacts, RunStats  # noqa: E402
@@ -402,7 +402,7 @@ def _lookup_step_record() -> StepRecord:
     chain = CandidateTree(paths=[(32,), (32, 32)], scores=[0.5, 0.4], kind="dynamic")
     outcome = TreeOutcome(tree=chain, node_tokens=[1, 2, 3], node_scores=[1.0, 0.5, 0.4], accepted_nodes=[0, 1],
                           bonus_token=4, node_texts=["a", "b", "c"], bonus_text="d", lookup_rank=32)
-    return StepRecord(index=4, strategy=LOOKUP, context_length=30, head_token_ids=[], head_probs=[],
+    return StepRecord(index=4, family=DYNAMIC, kind=StepKind.CHAINS, context_length=30, head_token_ids=[], head_probs=[],
                       outcome=outcome, new_tokens=[2, 4], times=PhaseTimes(verify=0.01))
 
 
@@ -416,7 +416,7 @@ def test_comparison_and_tree_notes_say_what_happened():
     figure = view_module._comparison(facts, _lookup_step_record())
     message = figure.layout.annotations[0].text.replace("<br>", " ")
     assert "skipped the heads" in message and "step 5" in message and "dynamic strategy" not in message
-    shallow = StepRecord(index=0, strategy=DYNAMIC, context_length=9, head_token_ids=[], head_probs=[],
+    shallow = StepRecord(index=0, family=DYNAMIC, kind=StepKind.TREE, context_length=9, head_token_ids=[], head_probs=[],
                          outcome=TreeOutcome(tree=fixed_tree([[0], [0, 0], [0, 0, 0]]), node_tokens=[1, 2, 3, 4],
                                              node_scores=[1.0, 0.5, 0.2, 0.1], accepted_nodes=[0], bonus_token=5),
                          new_tokens=[5], times=PhaseTimes())

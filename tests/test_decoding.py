@@ -7,6 +7,7 @@ import torch
 from core.decoder import DecodeConfig, PageViews, decode, start_session
 from core.exactness import divergence_from_margins, explain_divergence, plain_margins
 from core.kvcache import cache_length, truncate
+from core.records import StepKind
 
 FP32_NEAR_TIE = 1e-4  # a tree forward and single-token forwards differ by ~5e-5 in fp32
 BF16_NEAR_TIE = 0.25  # bf16 logits of magnitude ~10-30 have a rounding step of 0.0625-0.125
@@ -64,7 +65,7 @@ def test_hydra_greedy_fp32_equals_plain_generate(base_fp32, shipped_hydra, plain
     for prompt_ids, plain in plain_fp32:
         session = decode(base_fp32, shipped_hydra, prompt_ids, DecodeConfig(spec=spec, max_new_tokens=NEW_TOKENS))
         assert_lossless(base_fp32, prompt_ids, plain, session.output_ids, FP32_NEAR_TIE)
-        deepest = max([deepest] + [r.outcome.accepted_length for r in session.records if r.strategy == "hydra"])
+        deepest = max([deepest] + [r.outcome.accepted_length for r in session.records if r.kind == StepKind.TREE])
     if min_deepest is not None:
         assert deepest >= min_deepest
 
@@ -247,8 +248,8 @@ def test_steps_without_heads_still_verify_the_lookup_chain(base_fp32, shipped_he
     session.controller.plain_until = 10 ** 6  # as if the heads had stopped paying for good
     records = list(session.run())
     assert session.output_ids == plain.output_ids
-    assert {r.strategy for r in records} <= {"lookup", "autoregressive"}
-    lookup_steps = [r for r in records if r.strategy == "lookup"]
+    assert {r.kind for r in records} <= {StepKind.CHAINS, StepKind.PLAIN}
+    lookup_steps = [r for r in records if r.kind == StepKind.CHAINS]
     assert len(lookup_steps) >= 3 and all(r.head_token_ids == [] for r in lookup_steps)
     assert sum(len(r.new_tokens) for r in lookup_steps) >= 2 * len(lookup_steps)  # the copy is accepted
 

@@ -328,8 +328,7 @@ def test_bf16_drafting_under_an_fp32_base_stays_exact(monkeypatch, family: str):
 
 def test_no_kernel_is_timed_or_run_on_a_worker_thread():
     """A product on a worker thread opens a second OpenMP team, after which every forward of the
-    process ran about 1.8x slower (bf16 on an AMD EPYC in round 14, fp32 on an Intel Xeon in round
-    17): the split GEMV is never a candidate, and an older cached choice of it runs as linear."""
+    process ran about 1.8x slower (bf16 on an AMD EPYC, fp32 on an Intel Xeon): the split GEMV is never a candidate, and an older cached choice of it runs as linear."""
     import threading
     for weight in (torch.randn(64, 16), torch.randn(64, 16).bfloat16()):
         matmul = Matmul(weight, None)

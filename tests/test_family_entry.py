@@ -10,6 +10,7 @@ import labstate
 from core.decoder import DecodeConfig, decode
 from core.families import DYNAMIC, FAMILIES
 from core.strategy import grammar, parse_strategy
+from core.records import StepKind
 from tests.tiny import tiny_base, tiny_heads
 
 TWIN = "twin"
@@ -50,4 +51,4 @@ def test_a_registered_family_decodes_plain_greedys_text(twin_family):
     plain = decode(base, None, prompt, DecodeConfig(spec="ar", max_new_tokens=24)).output_ids
     session = decode(base, heads, prompt, DecodeConfig(spec="twin:15", max_new_tokens=24))
     assert session.output_ids == plain
-    assert any(record.strategy == TWIN for record in session.records)
+    assert any(r.family == TWIN and r.kind == StepKind.TREE for r in session.records)

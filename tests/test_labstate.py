@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import labstate
 from core.budget.cost_profile import CostProfile
+from core.records import StepKind
 from labstate.runs import decode_config
 from labstate.shared import Runtime
 from labstate.trace import load_trace
@@ -356,7 +357,7 @@ def test_the_speed_card_says_measuring_until_plain_decoding_is_timed_then_compar
     for _ in range(8):
         labstate.step_once(lab, PROMPT, auto)
     records = lab.run.session.records
-    plain_steps = [r.times.total for r in records if r.strategy == "autoregressive" and r.times.tree == 0]
+    plain_steps = [r.times.total for r in records if r.kind == StepKind.PLAIN and r.times.tree == 0]
     assert len(plain_steps) >= MIN_OWN_PLAIN
     speed = speed_vs_plain(lab, lab.run)
     assert speed.measured and speed.basis == f"measured: {len(plain_steps)} plain steps of this run"
@@ -403,7 +404,7 @@ def test_a_run_with_enough_plain_steps_of_its_own_compares_with_them_before_the_
     assert speed_vs_plain(lab, lab.run).basis == "measured plain run"
     while not lab.run.session.finished:
         labstate.step_once(lab, PROMPT, auto)
-        plain = [r for r in lab.run.session.records if r.strategy == "autoregressive" and r.times.tree == 0]
+        plain = [r for r in lab.run.session.records if r.kind == StepKind.PLAIN and r.times.tree == 0]
         speed = speed_vs_plain(lab, lab.run)
         expected = (f"measured: {len(plain)} plain steps of this run" if len(plain) >= OWN_PLAIN_FIRST
                     else "measured plain run")
@@ -486,7 +487,7 @@ def _tensor_bytes() -> int:
 def test_three_hundred_live_steps_keep_the_server_memory_bounded(tiny_runtime):
     """A lecture's run on the server (300 live steps of a dynamic tree with the fixed comparison):
     no tensor is kept per step (the cache and weights only), and each step's record (tokens, the
-    trees' nodes, texts, times) stays small: round 22 measured 28 KB a step and flat tensors. A run
+    trees' nodes, texts, times) stays small (about 28 KB a step, flat tensors). A run
     ends at its token limit and sessions are capped (SessionRegistry), so the server's memory is
     bounded by those two."""
     settings = labstate.parse_settings({**SETTINGS, "max_new_tokens": 1024})

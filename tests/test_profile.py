@@ -8,6 +8,7 @@ import pytest
 import core.budget.cost_profile as profile_module
 from core.decoder import DecodeConfig, decode
 from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, verify_profile
+from core.records import StepKind
 from tests.tiny import tiny_base
 
 FLAT = CostProfile(sizes=[1, 128], ms=[20.0, 20.0])
@@ -94,16 +95,15 @@ def test_auto_budget_stays_lossless(base_fp32, shipped_heads, mt_bench_prompts):
 
 
 def test_auto_falls_back_to_plain_steps_when_speculation_cannot_pay(base_fp32, shipped_heads, mt_bench_prompts):
-    """A verify that costs 20x a single token: the session runs plain steps, stays lossless. (Since
-    round 15 the loss allowance sees that no tree could fit it and never pays for drafting at all;
-    before, the session drafted and verified a few trees first.)"""
+    """A verify that costs 20x a single token: the session runs plain steps and stays lossless (the loss
+    allowance sees that no tree could fit it and never pays for drafting at all)."""
     hopeless = CostProfile(sizes=[1, 2, 128], ms=[40.0, 800.0, 1000.0])
     prompt = mt_bench_prompts[3]
     plain = decode(base_fp32, None, prompt, DecodeConfig(spec="ar", max_new_tokens=24))
     auto = decode(base_fp32, shipped_heads, prompt, DecodeConfig(spec="dynamic:auto", max_new_tokens=24), profile=hopeless)
-    kinds = [r.strategy for r in auto.records]
+    kinds = [r.kind for r in auto.records]
     assert auto.output_ids == plain.output_ids
-    assert kinds == ["autoregressive"] * len(kinds)
+    assert kinds == [StepKind.PLAIN] * len(kinds)
     assert {r.controller for r in auto.records} <= {"backing off", "probing"}
     assert auto.records[0].controller == "backing off"  # the budget, not a probe, kept it plain
 

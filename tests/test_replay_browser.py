@@ -164,7 +164,7 @@ def test_an_idle_page_asks_for_few_animation_frames(replay_server):
     """Gradio 6.31's status tracker asks for a frame 60 times a second for as long as a page is open, even
     when nothing runs (6 % of a core taken from a decoding on the same cores). The page's first script
     (`page.FirstInHead`, assets/timer_frames.js) gives the tracker frames only while a tracker is shown:
-    an idle page asks for at most 2 frames a second in all (60 without it, 4 with round 31's script).
+    an idle page asks for at most 2 frames a second in all (Gradio's own loop asks for 60).
     The count is taken below the page's script, where the browser receives the requests."""
     url, _ = replay_server
     with playwright_api.sync_playwright() as pw:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from core.records import PhaseTimes, StepRecord, TreeOutcome
+from core.records import PhaseTimes, StepKind, StepRecord, TreeOutcome
 from core.tree import CandidateTree, dynamic_tree, fixed_tree, named_tree
 from viz import style
 from viz.labels import escape, token_label, visible
@@ -54,9 +54,9 @@ def _autoregressive_outcome() -> TreeOutcome:
 
 
 def _record(index: int, outcome: TreeOutcome, comparison: TreeOutcome | None = None,
-            strategy: str = "dynamic") -> StepRecord:
+            family: str = "dynamic", kind: StepKind = StepKind.TREE) -> StepRecord:
     new = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]] + [outcome.bonus_token]
-    return StepRecord(index=index, strategy=strategy, context_length=20 + index, head_token_ids=[[1, 2, 3]] * 3,
+    return StepRecord(index=index, family=family, kind=kind, context_length=20 + index, head_token_ids=[[1, 2, 3]] * 3,
                       head_probs=HEAD_PROBS, outcome=outcome, new_tokens=new,
                       times=PhaseTimes(heads=0.01, tree=0.001, verify=0.1, accept=0.002, commit=0.001,
                                        compare=0.09 if comparison else 0.0),
@@ -227,7 +227,7 @@ def test_cumulative_figure_measured_and_estimated_baselines():
     measured = cumulative_figure(records, ArBaseline(step_seconds=[0.04] * 20))
     ar = measured.data[2]
     assert ar.name == "autoregressive (measured plain run)" and list(ar.y)[-1] == 12
-    only_self = cumulative_figure([_record(0, _autoregressive_outcome(), strategy="autoregressive")], None)
+    only_self = cumulative_figure([_record(0, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN)], None)
     assert [t.name for t in only_self.data] == ["autoregressive (measured)"]
 
 
@@ -260,7 +260,7 @@ def test_heads_html_marks_accepted_guesses_and_escapes():
     assert page.count('class="acc"') == 3  # one per accepted depth (rank 0 each)
     assert "&lt;b&gt;" in page and "<b>" not in page
     assert "after the first step" in heads_html(None)
-    plain = dataclasses.replace(_record(0, _autoregressive_outcome(), strategy="autoregressive"), head_probs=[],
+    plain = dataclasses.replace(_record(0, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN), head_probs=[],
                                 head_token_ids=[], head_texts=[])
     assert "autoregressive" in heads_html(plain)
 
@@ -268,7 +268,7 @@ def test_heads_html_marks_accepted_guesses_and_escapes():
 def test_a_plain_step_of_a_drafting_run_says_why_it_had_no_heads():
     """The last step of a run with one token left is plain: the table says so, not "autoregressive decoding"."""
     tree_step = _record(0, _fixed_outcome())
-    plain = dataclasses.replace(_record(1, _autoregressive_outcome(), strategy="autoregressive"), head_probs=[],
+    plain = dataclasses.replace(_record(1, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN), head_probs=[],
                                 head_token_ids=[], head_texts=[])
     emitted = 1 + len(tree_step.new_tokens)
 
@@ -290,7 +290,7 @@ def test_an_eagle_tree_names_its_columns_by_depth_not_head():
     assert list(fig.layout.xaxis.ticktext) == ["root", "depth 1", "depth 2", "depth 3", "bonus"]
     assert "depth 2 · rank 1" in _trace(fig, "candidate (colour = joint p)").hovertext[5]
     assert "3 draft guesses accepted" in fig.layout.title.text
-    table = heads_html(_record(0, outcome, strategy="eagle"))
+    table = heads_html(_record(0, outcome, family="eagle"))
     assert "<th>depth 1<br>" in table and "<th>head 1<br>" not in table
 
 
@@ -322,7 +322,7 @@ def test_trace_round_trips_through_json():
     assert step["times"]["total"] == pytest.approx(0.114)
     assert step["outcome"]["node_texts"] == NASTY
     assert data["steps"][1]["comparison"] is None
-    assert trace_dict(facts, {})["version"] == 2 and data["facts"]["strategy"] == "fixed"
+    assert trace_dict(facts, {})["version"] == 3 and data["facts"]["strategy"] == "fixed"
 
 
 def test_to_jsonable_tensors_and_named_tree():
@@ -484,7 +484,7 @@ def _byte_record() -> tuple[StepRecord, dict[int, bytes]]:
     outcome = TreeOutcome(tree=tree, node_tokens=[0, 1, 3, 2, 5], node_scores=[1.0, 0.5, 0.3, 0.4, 0.1],
                           accepted_nodes=[0, 1, 3], bonus_token=3, node_texts=[" hi", "�", "�", "�", "!"],
                           bonus_text="�")
-    record = StepRecord(index=0, strategy="dynamic", context_length=5, head_token_ids=[[1, 3], [2, 4]],
+    record = StepRecord(index=0, family="dynamic", kind=StepKind.TREE, context_length=5, head_token_ids=[[1, 3], [2, 4]],
                         head_probs=[[0.6, 0.3], [0.5, 0.2]], outcome=outcome, new_tokens=[1, 2, 3],
                         times=PhaseTimes(verify=0.01), head_texts=[["�", "�"], ["�", "�"]])
     return record, table

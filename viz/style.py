@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.strategy import AUTOREGRESSIVE, DYNAMIC, FIXED, HYDRA, LOOKUP
+from core.families import AUTOREGRESSIVE, DYNAMIC, EAGLE, FIXED, HYDRA
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -33,8 +33,8 @@ PHASE_COLOURS = {
 }
 
 # the decoding strategies in the cumulative plot
-STRATEGY_COLOURS = {DYNAMIC: "#0284c7", FIXED: "#a855f7", AUTOREGRESSIVE: "#64748b", LOOKUP: "#7c3aed",
-                    HYDRA: "#059669"}
+STRATEGY_COLOURS = {DYNAMIC: "#0284c7", FIXED: "#a855f7", AUTOREGRESSIVE: "#64748b", HYDRA: "#059669",
+                    EAGLE: "#db2777"}
 
 # pale backgrounds cycling over steps in the generated text (matching .s0 ... .s7 in app.css)
 STEP_CYCLE = 8

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from core.families import FAMILIES, depth_label
-from core.strategy import LOOKUP
+from core.records import StepKind
 from viz.facts import RunStats, ratio_verdict
 from viz.labels import TokenBytes, escape, sequence_texts, texts_from_bytes, visible
 from viz.style import STEP_CYCLE
@@ -153,7 +153,7 @@ def heads_html(record: StepRecord | None, token_bytes: TokenBytes | None = None,
     `plain_why`: why a plain step of a drafting run verified no tree (else the step is plain decoding's)."""
     if record is None:
         return '<div class="heads-table empty">Each head\'s top guesses appear here after the first step.</div>'
-    if not record.head_probs and record.strategy == LOOKUP:
+    if not record.head_probs and record.kind == StepKind.CHAINS:
         return ('<div class="heads-table empty">No heads in this step: the auto budget is backing off (the heads '
                 'have not paid lately), so the tree is only the prompt-lookup chain (◆).</div>')
     if not record.head_probs and plain_why:

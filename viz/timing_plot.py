@@ -76,7 +76,7 @@ def accepted_figure(records: Sequence[StepRecord], index: int) -> go.Figure:
     steps = _step_numbers(records)
     shown = index + 1
     counts = [len(r.new_tokens) for r in records]
-    strategy = records[0].strategy if records else DYNAMIC
+    strategy = records[0].family if records else DYNAMIC
     colour = style.STRATEGY_COLOURS.get(strategy, style.STRATEGY_COLOURS[DYNAMIC])
     traces = [{"type": "bar", "x": steps, "y": counts, "name": f"{strategy} (this run)",
                "marker": {"color": colour, "line": {"color": [style.BONUS if s == shown else colour for s in steps],
@@ -113,7 +113,7 @@ def cumulative_figure(records: Sequence[StepRecord], ar: ArBaseline | None) -> g
     run (what it would have accepted; its verify time is measured). The autoregressive line is
     measured when a plain run exists, otherwise estimated from one measured single-token forward.
     """
-    strategy = records[0].strategy if records else DYNAMIC
+    strategy = records[0].family if records else DYNAMIC
     x, y = _cumulative([r.times.total for r in records], [len(r.new_tokens) for r in records])
     traces = [_line(x, y, f"{strategy} (measured)", {"color": style.STRATEGY_COLOURS.get(strategy, style.TEXT), "width": 3},
                     "lines+markers")]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from core.families import FAMILIES
-from core.strategy import AUTOREGRESSIVE, LOOKUP
+from core.records import StepKind
 from viz.facts import RunFacts, RunStats, loops, summary, token_sources
 from viz.mask_plot import mask_figure
 from viz.text_html import emitted_tokens, heads_html, sources_note, stats_html, text_html
@@ -123,9 +123,9 @@ def _tree(facts: RunFacts, record: StepRecord, note: str) -> Any:
     verified = proposal.tree.num_nodes - len(unverified)
     if record.controller == "probing":
         why = "none verified: this step is plain, to measure plain decoding's speed (faded: proposed, not verified)"
-    elif record.strategy == LOOKUP:
+    elif record.kind == StepKind.CHAINS:
         why = "the heads had not paid lately: the auto budget verified the lookup chain alone (the heads' nodes faded)"
-    elif record.strategy == AUTOREGRESSIVE:
+    elif record.kind == StepKind.PLAIN:
         why = "none verified: the heads had not paid lately, so the auto budget skipped them (faded)"
     else:
         why = f"the budget verified the best {verified} (faded: proposed, not verified)"
@@ -154,7 +154,7 @@ def tree_title(facts: RunFacts, record: StepRecord) -> str:
     top_m, depth, budget = settings.get("top_m"), settings.get("depth"), facts.budget
     chain = " + lookup ◆" if record.outcome.lookup_rank is not None else ""
     family = facts.spec.family
-    if record.strategy == LOOKUP:
+    if record.kind == StepKind.CHAINS:
         main = f"Heads skipped (auto is backing off): the prompt-lookup chain alone, {nodes} nodes"
     else:
         entry = FAMILIES[family]
@@ -176,7 +176,7 @@ def _plain_why(facts: RunFacts, index: int) -> str:
     """Why step `index` of a drafting run verified no tree ("" for plain decoding's own steps): one token
     left to the limit leaves no room for a guess, else the drafters offered nothing this step."""
     record = facts.records[index]
-    if not facts.spec.drafts or record.strategy != AUTOREGRESSIVE:
+    if not facts.spec.drafts or record.kind != StepKind.PLAIN:
         return ""
     emitted_before = 1 + sum(len(r.new_tokens) for r in facts.records[:index])  # the prefill gave the first
     limit = facts.settings.get("max_new_tokens")
@@ -188,7 +188,7 @@ def _plain_why(facts: RunFacts, index: int) -> str:
 def _depth_note(facts: RunFacts, record: StepRecord) -> str:
     """Why a dynamic tree is shallower than the depth setting allows."""
     tree, depth = record.outcome.tree, int(facts.settings.get("depth", 0))
-    entry = FAMILIES.get(record.strategy)  # a step kind may be no family (a lookup-only step)
+    entry = FAMILIES[record.family] if record.kind == StepKind.TREE else None
     ranked_tree = entry is not None and entry.sized and not entry.grows_tree  # sized by the heads' ranks
     if not ranked_tree or tree.num_nodes == 0 or tree.max_depth >= depth:
         return ""
@@ -208,7 +208,7 @@ def _comparison(facts: RunFacts, record: StepRecord) -> Any:
     if record.comparison is not None:
         return tree_figure(record.comparison, f"Fixed tree {preset}, same heads & context", _bonus_note(facts),
                            facts.token_bytes)
-    if record.strategy == LOOKUP:
+    if record.kind == StepKind.CHAINS:
         why = (f"No fixed-tree comparison at step {record.index + 1}: the auto budget skipped the heads this step "
                f"(they had not paid lately) and verified only the prompt-lookup chain, so there were no head "
                f"guesses for a fixed tree to use.")

@@ -48,8 +48,7 @@ from enum import StrEnum
 from typing import Callable, Protocol
 
 from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix, plain_rate
-from core.records import StepRecord
-from core.strategy import AUTOREGRESSIVE, LOOKUP
+from core.records import StepKind, StepRecord
 from core.tree_policy import DraftTree
 
 WINDOW = 96  # records the rates are read from
@@ -74,15 +73,14 @@ STALE_TREE_STEPS = 2 * PROBE_EVERY  # tree measurements older than this are forg
 LEDGER_START_STEPS = 0.5  # the heads may lose this many plain steps' time before any evidence ...
 LOSS_SHARE = 0.02  # ... plus this share of the run's time so far
 GAIN_DECAY = 0.98  # per step: banked gains fade (losses never do)
-# Why these: round 15's first try (half a plain step, 1.5 %, no fading, no explores in debt) put
-# bf16 MT-Bench's hydra:auto in back-off for 538 of 864 steps (acceptance comes in streaks): 1.08x
-# plain instead of round 14's 1.37x. Round 15 then let losses fade 2 % a step: streaks recovered,
-# but unguessable text got trees back every ~10 steps (random letters 0.76x, bf16). Round 17:
-# losses never fade and recovery comes from evidence (cheap 1-node explores, sooner after a right
-# tree). tests/test_auto.py's synthetic runs, worst of 10 seeds (round 15 -> 17): 40 steps the heads
-# never guess 0.939 -> 0.970x plain, 128 such steps 0.933 -> 0.976x, heads right 10 % 0.934 ->
-# 0.971x, 8-step streaks 1.205 -> 1.190x, 32-step streaks 1.240 -> 1.159x, heads right 50 %
-# 1.252 -> 1.269x, right 80 % 1.951x both.
+# Why these: a stricter ledger (half a plain step, 1.5 %, no fading, no explores in debt) put bf16
+# MT-Bench's hydra:auto in back-off for 538 of 864 steps (acceptance comes in streaks): 1.08x plain
+# against 1.37x without it. Losses that fade 2 % a step let streaks recover but gave unguessable text
+# its trees back every ~10 steps (random letters 0.76x, bf16). So losses never fade and recovery
+# comes from evidence (cheap 1-node explores, sooner after a right tree). tests/test_auto.py's
+# synthetic runs, worst of 10 seeds, fading ledger -> this one: 40 steps the heads never guess 0.939
+# -> 0.970x plain, 128 such steps 0.933 -> 0.976x, heads right 10 % 0.934 -> 0.971x, 8-step streaks
+# 1.205 -> 1.190x, 32-step streaks 1.240 -> 1.159x, heads right 50 % 1.252 -> 1.269x, 80 % 1.951x.
 
 
 class ControllerState(StrEnum):
@@ -449,7 +447,7 @@ class AutoBudget:
 
 
 def _used_heads(record: StepRecord) -> bool:
-    return record.strategy not in (AUTOREGRESSIVE, LOOKUP)
+    return record.kind == StepKind.TREE
 
 
 def _tree_step(record: StepRecord) -> bool:

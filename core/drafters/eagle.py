@@ -21,8 +21,8 @@ The tree is grown as EAGLE-2 grows it: depth by depth, the `beam` best nodes by 
 probability expanded by one batched layer call, then the `budget` best nodes of everything grown
 (`core.drafters.grown`); growth stops early where no deeper node could enter that cut. Below depth 2 a
 node's children are ranked over the 2,048 most frequent draft tokens only: a quarter of the deep
-projections' cost (a 16- or 64-node propose about a fifth cheaper on a 2-core EPYC, docs/RESULTS.md
-round 30) for the same tokens per step (30 held-out MT-Bench answers: 1.98 / 2.10 / 2.23 at 16 / 32 /
+projections' cost (a 16- or 64-node propose about a fifth cheaper on a 2-core EPYC) for the same
+tokens per step (30 held-out MT-Bench answers: 1.98 / 2.10 / 2.23 at 16 / 32 /
 64 nodes against 1.97 / 2.10 / 2.23 with all 8,192 rows; 1,024 rows lost .02 at 32 nodes).
 
 The layer's keys and values over the accepted positions are kept per session (`EagleCache`, a new

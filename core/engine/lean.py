@@ -43,13 +43,13 @@ log = logging.getLogger(__name__)
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # row-count buckets a kernel choice is measured for (a tree of 3 rows uses the choice for <= 4),
 # each timed at the rows of BUCKET_TIMING_ROWS. Why so fine: the best kernel moves with the row
-# count. Round 18 (Intel Xeon with AMX, fp32): with one bucket for 2-8 rows timed at 8, a 2-row
-# verify's products ran by the 8-row winners took 39.7 ms where `linear` took 24.2 in the same run
-# (one row: 20.1), a 2-row forward 1.63x a one-row one; timed per bucket, 1.03x.
+# count: on an Intel Xeon with AMX (fp32), one bucket for 2-8 rows timed at 8 ran a 2-row verify's
+# products by the 8-row winners in 39.7 ms where `linear` took 24.2 (one row: 20.1), a 2-row forward
+# 1.63x a one-row one; timed per bucket, 1.03x.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 10**9)
 BUCKET_TIMING_ROWS = dict(zip(ROW_BUCKETS, (1, 2, 4, 8, 16, 32, 64)))
 REFERENCE_BUCKET = 8  # the bucket whose gate/up timing checks that a choice was measured quietly
-KERNEL_REPEATS = 3  # timed runs per kernel and bucket (median): with 2, round 17's choices flipped between runs
+KERNEL_REPEATS = 3  # timed runs per kernel and bucket (median): with 2, choices flipped between runs
 # cache rows beyond the context a tree verify may add: the largest tree the decoder accepts, with
 # every lookup chain and datastore branch grafted in full
 TREE_ROWS_MARGIN = MAX_TREE_ROWS
@@ -113,13 +113,11 @@ class Matmul:
             self.packed = None
 
 
-# No kernel runs on a worker thread. Rounds 8-13 had a split GEMV (half of a one-row product on a
-# worker thread: 13-14 GB/s against the library GEMV's 8 on an AVX2 CPU), kept for fp32 only after
-# a bf16 one opened a second OpenMP team (every later forward of the process ~1.8x slower: libgomp
-# stops spinning once it holds more threads than cores). Round 17 saw the same with fp32 on an Intel
-# Xeon with AMX, torch 2.13: one fp32 `torch.mv` on a worker thread took a plain step's products
-# from 15.2 to 20.0 ms for the rest of the process, and timing the split while choosing kernels made
-# a whole first run 1.8x slower (a plain step 52 ms, not 29).
+# No kernel runs on a worker thread. A split GEMV (half of a one-row product on a worker thread) is
+# faster alone (13-14 GB/s against the library GEMV's 8 on an AVX2 CPU) but opens a second OpenMP
+# team, and every later forward of the process runs ~1.8x slower (libgomp stops spinning once it
+# holds more threads than cores): on an Intel Xeon with AMX, torch 2.13, one fp32 `torch.mv` on a
+# worker thread took a plain step's products from 15.2 to 20.0 ms for the rest of the process.
 
 
 def _bucket(rows: int) -> int:
@@ -478,8 +476,8 @@ class LeanLlama:
     def load_or_choose_kernels(self, folder: Path) -> None:
         """Apply the kernel choice cached for this machine in `folder`, or measure it (a few
         seconds for the shipped model) and cache it if it was measured quietly (a reference
-        timing before and after agrees with the same timing inside the choice: round 17 found
-        fp32 choices made beside a running generator in the cache, mkldnn where it was slow).
+        timing before and after agrees with the same timing inside the choice: a choice made beside
+        a running job would cache mkldnn where it is slow).
         An unwritable folder only costs a re-measure."""
         path = folder / f"{self.kernel_key()}.json"
         if path.exists():
