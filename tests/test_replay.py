@@ -201,6 +201,20 @@ def test_a_huge_upload_is_refused_before_parsing():
     assert TRACE_VERSION == json.loads(_gallery_text())["version"]
 
 
+def test_a_version_2_trace_replays_as_version_3():
+    """Version 2 named a step by one `strategy` (the family, or "autoregressive" / "lookup" for a step
+    that verified the root or the chains alone); it is read as the run's family and the step's kind."""
+    current = json.loads(_gallery_text())
+    old = {**current, "version": 2, "steps": [
+        {**{k: v for k, v in step.items() if k not in ("family", "kind")},
+         "strategy": {"plain": "autoregressive", "chains": "lookup"}.get(step["kind"], step["family"])}
+        for step in current["steps"]]}
+    assert load_trace(json.dumps(old)).facts.records == load_trace(json.dumps(current)).facts.records
+    wrong = {**current, "steps": [{**current["steps"][0], "kind": "guess"}]}
+    with pytest.raises(TraceError, match="damaged"):
+        load_trace(json.dumps(wrong))
+
+
 def test_a_bad_upload_leaves_the_page_and_its_replay_working():
     import app
 
