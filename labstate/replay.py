@@ -111,9 +111,12 @@ UPLOADS = BoundedCache(MAX_UPLOADS, MAX_UPLOAD_BYTES)
 
 
 def open_gallery(name: str) -> Replay:
-    """A gallery run, opened on the first step its notes are about: the point of the run drawn at once
-    (Back reaches the steps before it); ready at its first step when it has no notes."""
-    notes = _gallery_trace(name).facts.step_notes
+    """A gallery run, opened on its point (the step its `meta.point` names, else the first step its notes
+    are about), drawn at once (Back reaches the steps before it); ready at its first step without either."""
+    trace = _gallery_trace(name)
+    point, notes = trace.meta.get("point"), trace.facts.step_notes
+    if isinstance(point, int) and not isinstance(point, bool) and 1 <= point <= len(trace.facts.records):
+        return Replay(source=f"gallery:{name}", shown=point)
     return Replay(source=f"gallery:{name}", shown=min(notes) + 1 if notes else 0)
 
 

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from labstate import replay
 from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, STEPS_JS, TREE_POINTS_JS, playwright_api, running_app
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")]
 STATUS_JS = """(text) => (document.querySelector('#status') || {}).textContent?.includes(text)"""
+FIRST_RUN = replay.gallery()[0].name
+POINT = replay.open_gallery(FIRST_RUN).shown  # the step the first gallery run opens on (its point)
+FIRST_RUN_STEPS = len(replay.trace_of(replay.open_gallery(FIRST_RUN)).facts.records)
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +36,23 @@ def test_replay_only_page_steps_the_gallery_with_buttons_and_keys(replay_server,
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 720})
         page.goto(url)
-        page.wait_for_function(STATUS_JS, arg="Opened on step 2", timeout=60_000)  # on its point (issue 46)
+        assert 2 <= POINT <= FIRST_RUN_STEPS - 2
+        page.wait_for_function(STATUS_JS, arg=f"Opened on step {POINT}", timeout=60_000)  # on its point
         page.wait_for_function(TREE_POINTS_JS, arg=1, timeout=30_000)
         first_tree = time.perf_counter() - launched
         assert "live decoding is off" in page.locator("#model-info").inner_text()
         assert page.locator("#start-btn").count() == 0  # no live controls at all
-        page.wait_for_function(STEPS_JS, arg=2, timeout=30_000)
+        page.wait_for_function(STEPS_JS, arg=POINT, timeout=30_000)
         page.locator("#replay-step-btn").click()
-        page.wait_for_function(STEPS_JS, arg=3, timeout=30_000)
+        page.wait_for_function(STEPS_JS, arg=POINT + 1, timeout=30_000)
         page.locator("body").click(position={"x": 5, "y": 5})
         started = time.perf_counter()
         page.keyboard.press("ArrowRight")
-        page.wait_for_function(STEPS_JS, arg=4, timeout=30_000)
+        page.wait_for_function(STEPS_JS, arg=POINT + 2, timeout=30_000)
         step_seconds = time.perf_counter() - started
         page.keyboard.press("ArrowLeft")
-        page.wait_for_function(STEPS_JS, arg=3, timeout=30_000)
-        for shown in (2, 1):  # Back reaches the steps before the one it opened on
+        page.wait_for_function(STEPS_JS, arg=POINT + 1, timeout=30_000)
+        for shown in range(POINT, 0, -1):  # Back reaches the steps before the one it opened on
             page.locator("#replay-back-btn").click()
             page.wait_for_function(STEPS_JS, arg=shown, timeout=60_000)
         page.locator("#presenter-toggle input").check()
@@ -115,7 +120,7 @@ def test_three_hundred_replayed_steps_keep_the_tab_memory_flat(replay_server):
         direction, at_20 = 1, None
         for press in range(1, 301):
             shown = int(page.locator("#stats .card .v").nth(1).inner_text())
-            direction = -1 if shown >= 30 else 1 if shown <= 2 else direction
+            direction = -1 if shown >= min(30, FIRST_RUN_STEPS) else 1 if shown <= 2 else direction
             page.locator("#replay-step-btn" if direction > 0 else "#replay-back-btn").click()
             page.wait_for_function(STEPS_JS, arg=shown + direction, timeout=60_000)
             if press == 20:
