@@ -39,8 +39,8 @@ _HOMES = {
               "reference", "speed_vs_plain"),
     "lifecycle": ("DROPPED_STEP", "STOPPED_MESSAGE", "RedrawPacer", "check_now", "decoding_state", "ensure_run",
                   "export_trace", "facts_of", "most_accepted_step", "note_page_draw", "note_page_time", "record_lab",
-                  "record_run", "require_run", "reset", "run_end_message", "run_to_end", "run_trace", "start_fresh", "start_prepared", "start_run",
-                  "step_once", "step_run", "stop", "wait_idle"),
+                  "record_run", "require_run", "reset", "run_end_message", "run_to_end", "run_trace", "start_fresh",
+                  "start_prepared", "start_run", "step_once", "step_run", "stop", "wait_idle"),
     # core's own, for the page (app.py reaches core through labstate alone)
     "core.machine": ("decoding_takes_every_core",),
 }

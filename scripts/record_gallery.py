@@ -230,12 +230,14 @@ RECORDINGS = [
               "the last words where they appeared before, and a whole span is accepted in one verify.",
               "Copy this list exactly, one item per line: red apples, green pears, yellow bananas, purple "
               "grapes, orange oranges.",
-              dict(BASE, strategy="dynamic:auto+lookup", compare_fixed=False), _long_copies, point=_most_from("lookup")),
+              dict(BASE, strategy="dynamic:auto+lookup", compare_fixed=False), _long_copies,
+              point=_most_from("lookup")),
     Recording("datastore_phrase", "The datastore completes a stock phrase",
               "The datastore holds n-grams of the model's own earlier answers; a branch from it joins the tree, "
               "and stock phrases (list openings, polite formulas) are accepted from it.",
               "What are the benefits of regular exercise?",
-              dict(BASE, strategy="dynamic:auto+lookup+store", compare_fixed=False), _store_hits, point=_most_from("store"),
+              dict(BASE, strategy="dynamic:auto+lookup+store", compare_fixed=False), _store_hits,
+              point=_most_from("store"),
               alternatives=("Write a polite email to a colleague thanking them for helping with a project.",
                             "Give me a simple recipe for scrambled eggs.", "List the steps to make a cup of tea."),
               shows=lambda lab: any(len(_chain_nodes(r.outcome, "store")) >= 3 for r in lab.run.session.records)),

@@ -53,6 +53,10 @@ def _autoregressive_outcome() -> TreeOutcome:
                        accepted_nodes=[0], bonus_token=6, node_texts=["\n"], bonus_text=" <b>")
 
 
+def _plain_record(index: int) -> StepRecord:
+    return _record(index, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN)
+
+
 def _record(index: int, outcome: TreeOutcome, comparison: TreeOutcome | None = None,
             family: str = "dynamic", kind: StepKind = StepKind.TREE) -> StepRecord:
     new = [outcome.node_tokens[i] for i in outcome.accepted_nodes[1:]] + [outcome.bonus_token]
@@ -120,7 +124,7 @@ def test_fixed_tree_figure_nodes_edges_path_and_labels():
     assert list(bonus.text) == ["&lt;i&gt;bonus&lt;/i&gt;"]
     assert bonus.x[0] == 4  # one column after the last accepted node (depth 3)
     assert "&lt;tree&gt;" not in fig.layout.title.text  # the title is ours: not escaped, not token text
-    assert list(fig.layout.xaxis.ticktext) == ["root", "head 1", "head 2", "head 3", "bonus"]
+    assert list(fig.layout.xaxis.ticktext) == ["root", "depth 1", "depth 2", "depth 3", "bonus"]  # every tree's
 
 
 def test_joint_probability_drives_colour_and_size():
@@ -227,7 +231,7 @@ def test_cumulative_figure_measured_and_estimated_baselines():
     measured = cumulative_figure(records, ArBaseline(step_seconds=[0.04] * 20))
     ar = measured.data[2]
     assert ar.name == "autoregressive (measured plain run)" and list(ar.y)[-1] == 12
-    only_self = cumulative_figure([_record(0, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN)], None)
+    only_self = cumulative_figure([_plain_record(0)], None)
     assert [t.name for t in only_self.data] == ["autoregressive (measured)"]
 
 
@@ -260,7 +264,7 @@ def test_heads_html_marks_accepted_guesses_and_escapes():
     assert page.count('class="acc"') == 3  # one per accepted depth (rank 0 each)
     assert "&lt;b&gt;" in page and "<b>" not in page
     assert "after the first step" in heads_html(None)
-    plain = dataclasses.replace(_record(0, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN), head_probs=[],
+    plain = dataclasses.replace(_plain_record(0), head_probs=[],
                                 head_token_ids=[], head_texts=[])
     assert "autoregressive" in heads_html(plain)
 
@@ -268,7 +272,7 @@ def test_heads_html_marks_accepted_guesses_and_escapes():
 def test_a_plain_step_of_a_drafting_run_says_why_it_had_no_heads():
     """The last step of a run with one token left is plain: the table says so, not "autoregressive decoding"."""
     tree_step = _record(0, _fixed_outcome())
-    plain = dataclasses.replace(_record(1, _autoregressive_outcome(), family="autoregressive", kind=StepKind.PLAIN), head_probs=[],
+    plain = dataclasses.replace(_plain_record(1), head_probs=[],
                                 head_token_ids=[], head_texts=[])
     emitted = 1 + len(tree_step.new_tokens)
 
@@ -348,7 +352,7 @@ def test_lookup_nodes_are_diamonds_and_copied_tokens_are_marked():
     assert "prompt lookup" in nodes.hovertext[4] and "rank" not in nodes.hovertext[4]
     assert "head 1 · rank 1" in nodes.hovertext[2]
     assert "3 guesses accepted (2 ◆ copied) + bonus = 4 tokens" in fig.layout.title.text
-    assert list(fig.layout.xaxis.ticktext) == ["root", "1", "2", "3", "bonus"]
+    assert list(fig.layout.xaxis.ticktext) == ["root", "depth 1", "depth 2", "depth 3", "bonus"]  # as without
     assert _trace(fig, "◆ copied by prompt lookup").marker.symbol == "diamond"
     assert not [t for t in tree_figure(_fixed_outcome(), "f").data if t.name == "◆ copied by prompt lookup"]
     tokens = emitted_tokens([_record(0, outcome)], first_id=200, first_text="r", limit=100)
@@ -465,7 +469,7 @@ def test_bonus_star_has_its_own_column_after_the_deepest_node():
     outcome = dataclasses.replace(_fixed_outcome(), accepted_nodes=[0, 1])  # the path stops at depth 1
     fig = tree_figure(outcome, "t")
     assert _trace(fig, "bonus token (base model)").x[0] == 4  # depth 3 tree: bonus column 4, not head 2's column
-    assert list(fig.layout.xaxis.ticktext) == ["root", "head 1", "head 2", "head 3", "bonus"]
+    assert list(fig.layout.xaxis.ticktext) == ["root", "depth 1", "depth 2", "depth 3", "bonus"]
 
 
 def test_split_characters_show_whole_or_as_byte_pieces():

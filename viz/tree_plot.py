@@ -337,9 +337,9 @@ def tree_figure(outcome: TreeOutcome, title: str, note: str = "", token_bytes: T
                    f" next token after the accepted path;<br>it is the next step's root"],
         hoverinfo="text",
     ))
-    # a lookup chain may run deeper than the heads: its columns are numbered by depth, compactly
-    column = "" if copied else f"{depth_word} "
-    tick_text = ["root"] + [f"{column}{d}" for d in range(1, tree.max_depth + 1)] + ["bonus"]
+    # one axis for every tree, with or without chains (which may run deeper than the heads): "depth d"; the
+    # hover and the heads table say which head (or draft step) guessed it
+    tick_text = ["root"] + [f"depth {d}" for d in range(1, tree.max_depth + 1)] + ["bonus"]
     layout = {**style.base_layout(title_text, height), **dict(
         showlegend=True,
         legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": -LEGEND_GAP_PX / plot_height,
