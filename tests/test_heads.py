@@ -124,6 +124,23 @@ def test_depth_vocabulary_ranks_a_prefix_per_head(tmp_path):
             assert torch.allclose(probs[d], torch.topk(torch.softmax(mine, -1), 8, dim=-1).values, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_layers, depth", [(1, None), (2, None), (3, 2), (0, None)])
+def test_the_stacked_first_blocks_propose_what_each_head_proposes(num_layers, depth):
+    """Every head's first ResBlock as one product (what a drafting session builds once) proposes the
+    same tokens with the same probabilities as the heads run one by one, for any depth prefix."""
+    heads = random_heads(HeadsConfig(num_heads=4, num_layers=num_layers, hidden_size=32, vocab_size=200))
+    projection = heads.draft_projection(torch.nn.Linear(32, 200, bias=False))
+    first_layer = heads.stacked_first_layer()
+    assert (first_layer is None) == (num_layers == 0)
+    if first_layer is not None:
+        assert first_layer[0].shape == (4 * 32, 32) and first_layer[1].shape == (4 * 32,)
+    for hidden in (torch.randn(32), torch.randn(5, 32)):
+        probs, ids = heads.propose(hidden, 8, projection, depth=depth)
+        stacked_probs, stacked_ids = heads.propose(hidden, 8, projection, depth=depth, first_layer=first_layer)
+        assert ids.shape[0] == (depth or 4) and torch.equal(stacked_ids, ids)
+        assert torch.allclose(stacked_probs, probs, atol=1e-6)
+
+
 @pytest.mark.parametrize("sizes,draft,match", [((100, 100), 100, "per head"), ((100, 100, 101), 100, "per head"),
                                                ((100, 100, MIN_DEPTH_VOCAB - 1), 100, "per head"),
                                                ((100, 100, 100), 0, "needs a draft vocabulary")])

@@ -26,6 +26,7 @@ from typing import Callable, Collection, Sequence
 
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, HeadProposal, check_heads, heads_for_drafting
@@ -245,16 +246,26 @@ class MedusaHeads(nn.Module):
             raise ValueError("heads with their own projection have no draft vocabulary")
         return draft_rows(lm_head, self.draft_vocab, self.config.depth_vocab)
 
+    def stacked_first_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every head's first ResBlock stacked, for `propose`: (weights [K*H, H], biases [K*H]), or None
+        for heads without ResBlocks. Build it once per drafting session (the heads are frozen there)."""
+        if self.config.num_layers == 0:
+            return None
+        linears = [block[0].linear for block in self.heads]
+        return torch.cat([l.weight for l in linears]), torch.cat([l.bias for l in linears])
+
     def propose(self, hidden: torch.Tensor, width: int, projection: DraftProjection | None = None,
-                depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                depth: int | None = None, first_layer: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-`width` probabilities and token ids of the first `depth` heads at `hidden` [..., H]:
-        ([D, ..., width], [D, ..., width]). Shared-lm_head heads need `projection`."""
+        ([D, ..., width], [D, ..., width]). Shared-lm_head heads need `projection`; `first_layer`
+        (`stacked_first_layer()`) runs every head's first ResBlock as one product."""
         blocks = self.heads[: depth or len(self.heads)]
         if self.config.own_lm_head:
             return ranked(torch.stack([head(hidden) for head in blocks]), width, None)  # [D, ..., V]
         if projection is None:
             raise ValueError("these heads share the base model's lm_head: pass draft_projection(lm_head)")
-        states = torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
+        states = self._states(hidden, blocks, first_layer)  # [D, ..., H]
         # one product for all heads (a few rows read the weight once; one per head would read it
         # D times), then each head ranks its own prefix of the rows
         logits = projection.rows_logits(states, projection.widest_rows)  # [D, ..., widest_rows]
@@ -262,6 +273,28 @@ class MedusaHeads(nn.Module):
             return ranked(logits, width, projection)  # [D, ..., width] each
         per_head = [ranked(logits[d, ..., : projection.rows_at(d + 1)], width, projection) for d in range(len(blocks))]
         return torch.stack([p for p, _ in per_head]), torch.stack([i for _, i in per_head])  # [D, ..., width]
+
+    def _states(self, hidden: torch.Tensor, blocks: nn.ModuleList,
+                first_layer: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The residual blocks of `blocks`: [..., H] -> [D, ..., H]. Every head's first block reads the same
+        state, so with `first_layer` they run as one product (a one-row product per head costs mostly its
+        call: 4 heads' two blocks 0.30 -> 0.19 ms in bf16 on a 2-core Zen 5); each output is the same dot
+        product either way."""
+        if first_layer is None:
+            return torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
+        rows = len(blocks) * self.config.hidden_size
+        weight, bias = first_layer
+        first = F.silu(F.linear(hidden, weight[:rows], bias[:rows]))  # [..., D*H]
+        states = hidden + first.unflatten(-1, (len(blocks), -1)).movedim(-2, 0)  # [D, ..., H]
+        later = [list(block)[1:] for block in blocks]
+        if not any(later):
+            return states
+        outs = []
+        for state, layers in zip(states, later):
+            for layer in layers:
+                state = layer(state)
+            outs.append(state)
+        return torch.stack(outs)  # [D, ..., H]
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The residual blocks only: [..., H] -> [K, ..., H] (shared-lm_head heads)."""
@@ -361,6 +394,7 @@ class HeadsDrafter:
 
     def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
+        self.first_layer = self.heads.stacked_first_layer()  # the heads' first blocks as one product
         self.width = width
         self.depth = depth
 
@@ -377,7 +411,8 @@ class HeadsDrafter:
 
     def propose(self, context: DraftContext) -> HeadProposal:
         hidden = context.hidden.to(self.dtype)  # [H]
-        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth)  # [D, m] each
+        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth,
+                                        first_layer=self.first_layer)  # [D, m] each
         return HeadProposal(probs=probs, token_ids=ids)
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],
