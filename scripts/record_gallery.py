@@ -242,8 +242,10 @@ RECORDINGS = [
                             "Give me a simple recipe for scrambled eggs.", "List the steps to make a cup of tea."),
               shows=lambda lab: any(len(_chain_nodes(r.outcome, "store")) >= 3 for r in lab.run.session.records)),
     Recording("auto_falls_back", "The adaptive budget falls back to plain steps",
-              "On a prompt where the heads guess badly, the controller measures that trees do not pay for their "
-              "verify cost and backs off to plain steps (or the lookup chain alone), probing now and then.",
+              "The adaptive budget prices every tree by this machine's measured verify cost and the heads' "
+              "measured acceptance. Where trees do not pay (the heads guess badly, or, as on a 2-core CPU, a "
+              "verify costs more than the tokens it wins) it backs off to plain steps (or the lookup chain "
+              "alone), probing now and then and trying a one-node tree to see whether the heads guess again.",
               "Give three examples of mammals that live in the ocean.",
               dict(BASE, strategy="dynamic:auto", compare_fixed=False), _fallbacks,
               alternatives=RIGHT_ANSWERS, shows=_backs_off),
