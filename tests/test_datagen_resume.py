@@ -179,3 +179,19 @@ def test_a_capped_run_holds_at_most_max_answers_across_resumes(base, tmp_path):
     answer_prompts(base, PROMPTS, config)
     rows, found = load_captured(config.out)
     assert len(rows) == 3 and set(found) == {r["id"] for r in rows}
+
+
+def test_sampled_answers_without_features_resume_by_their_own_ids(base, tmp_path):
+    """`samples=2`: two sampled answers a prompt (ids `<id>#s1`, `<id>#s2`), token ids alone (no features
+    folder); a rerun answers only what is missing, and the first answers are kept as written."""
+    config = GenConfig(out=tmp_path / "sampled.jsonl", max_new_tokens=6, batch_size=3, samples=2,
+                       keep_features=False)
+    answer_prompts(base, PROMPTS[:3], config)
+    first = {row["id"]: row["answer_ids"] for row in datagen.read_rows(config.out)}
+    assert sorted(first) == sorted(f"p{i}#s{k}" for i in range(3) for k in (1, 2))
+    assert not datagen.features_dir(config.out).exists()
+    answer_prompts(base, PROMPTS[:4], config)
+    rows = datagen.read_rows(config.out)
+    assert sorted(r["id"] for r in rows) == sorted(f"p{i}#s{k}" for i in range(4) for k in (1, 2))
+    assert {r["id"]: r["answer_ids"] for r in rows if r["id"] in first} == first
+    assert all(r["prompt"] == PROMPTS[int(r["id"][1])]["prompt"] for r in rows)

@@ -84,6 +84,36 @@ def test_tree_rows_equal_plain_steps_bitwise(mode, arch, prefix_len):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "gguf", "gguf-q8"])
+def test_batched_slots_rows_equal_each_sequences_plain_steps_bitwise(mode):
+    """Batched generation on the exact engine: three slots of different lengths (prefilled into their
+    slots), stepped together; each slot's row, its logits and its tapped streams equal that sequence's
+    own one-token steps, bit for bit (an idle slot stepping beside them changes nothing)."""
+    engine = exact_engine("llama", mode)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (length,), generator=generator) for length in (5, 17, 33)]
+    steps = torch.randint(0, 256, (4, 3), generator=generator)  # [step, slot] the tokens each step feeds
+    taps = (0, 1)
+    slots = engine.new_slots(3, 64)
+    for index, prompt in enumerate(prompts):
+        engine.prefill_slot(prompt, slots.slot(index), taps)
+    assert slots.lengths == [5, 17, 33]
+    batched = [engine.forward_slots_tapped(steps[s], slots, taps) for s in range(4)]  # ([3, H], [T, 3, H]) each
+    assert slots.lengths == [9, 21, 37]
+    for index, prompt in enumerate(prompts):
+        cache = engine.new_cache()
+        engine.forward(prompt, torch.arange(len(prompt)), cache)
+        for s in range(4):
+            position = torch.tensor([len(prompt) + s])
+            hidden, tapped = engine.forward_tapped(steps[s, index:index + 1], position, cache, taps=taps)
+            assert torch.equal(batched[s][0][index], hidden[0]), (index, s)
+            assert torch.equal(batched[s][1][:, index], tapped[:, 0])
+            assert torch.equal(engine.project(batched[s][0][index:index + 1]), engine.project(hidden))
+    with pytest.raises(TypeError, match="ExactSlots"):
+        engine.forward_slots(steps[0], engine.lean.new_slots(3, 64))
+
+
+@needs_kernels
 def test_causal_chain_rows_equal_one_token_steps():
     """A prefill (a causal chain of 40 rows) equals 40 plain steps, row for row."""
     engine = exact_engine()

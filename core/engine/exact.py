@@ -99,9 +99,47 @@ class KernelProduct:
         return out.reshape(*x.shape[:-1], self.weight.out).to(x.dtype)
 
 
+class ExactSlots:
+    """Batched generation's cache on the exact engine: keys/values fp32 [slots, layers, 1, kv_heads,
+    capacity, d], one sequence a slot at its own length (`lengths`); the lean `SlotCache`'s interface."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, *, slots: int, capacity: int) -> None:
+        shape = (slots, layers, 1, kv_heads, capacity, head_dim)
+        with torch.inference_mode():
+            self.keys = torch.zeros(shape)  # [B, L, 1, kvh, cap, d]
+            self.values = torch.zeros(shape)
+        self.lengths = [0] * slots
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[4])
+
+    def slot(self, index: int) -> "ExactSlotView":
+        """One slot as the one-sequence cache the exact forward writes (for its prefill)."""
+        return ExactSlotView(self, index)
+
+
+class ExactSlotView:
+    """Slot `index` of an `ExactSlots`: keys/values [L, 1, kvh, cap, d] (a contiguous view) at its length."""
+
+    def __init__(self, slots: ExactSlots, index: int) -> None:
+        self.slots, self.index = slots, index
+        self.keys, self.values = slots.keys[index], slots.values[index]
+
+    def get_seq_length(self) -> int:
+        return self.slots.lengths[self.index]
+
+    def reserve(self, rows: int) -> None:
+        if self.get_seq_length() + rows > self.slots.capacity:
+            raise ValueError(f"a slot holds {self.slots.capacity} positions")
+
+    def advance(self, rows: int) -> None:
+        self.slots.lengths[self.index] += rows
+
+
 class ExactLlama(OnLeanForward):
     """The exact forward of a model the lean forward covers; the same interface as `LeanLlama`
-    (`forward`, `project`, `new_cache`), plus `mode`. Batched generation stays on the lean forward."""
+    (`forward`, `project`, `new_cache`, batched generation's slots), plus `mode`."""
 
     def __init__(self, lean: LeanLlama, kernels: ModuleType, mode: str, gguf_path: Path | None = None, *,
                  blocks: GgufBlocks | None = None) -> None:
@@ -211,6 +249,34 @@ class ExactLlama(OnLeanForward):
                                     list(taps), tapped)
         cache.advance(n)
         return hidden.to(self.dtype), (tapped.to(self.dtype) if taps else None)  # [n, H], [T, n, H]
+
+    # -- batched generation: each slot's row is its own sequence's plain step, bit for bit -----------
+    def new_slots(self, slots: int, capacity: int) -> ExactSlots:
+        lean = self.lean
+        return ExactSlots(len(lean.layers), lean.kv_heads, lean.head_dim, slots=slots,
+                          capacity=min(capacity, self.max_positions))
+
+    def forward_slots(self, input_ids: torch.Tensor, cache: ExactSlots) -> torch.Tensor:
+        """One batched decoding step: token input_ids[b] appended to slot b at its own length: hidden [B, H]."""
+        return self.forward_slots_tapped(input_ids, cache)[0]
+
+    @torch.inference_mode()
+    def forward_slots_tapped(self, input_ids: torch.Tensor, cache: ExactSlots, taps: tuple[int, ...] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_slots`, plus the residual stream entering each layer of `taps` ([T, B, H], None when none)."""
+        if not isinstance(cache, ExactSlots):
+            raise TypeError("the exact forward's slots are an ExactSlots (ExactLlama.new_slots)")
+        n = int(input_ids.shape[0])
+        tapped = torch.empty(len(taps), n, self.hidden_size) if taps else torch.empty(0)  # [T, B, H]
+        hidden = self.model.forward_slots(input_ids.cpu(), cache.keys, cache.values, torch.tensor(cache.lengths),
+                                          list(taps), tapped)  # [B, H]
+        cache.lengths = [length + 1 for length in cache.lengths]
+        return hidden.to(self.dtype), (tapped.to(self.dtype) if taps else None)
+
+    def prefill_slot(self, input_ids: torch.Tensor, view: ExactSlotView, taps: tuple[int, ...] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt input_ids [n] into one slot (causal, from position 0): hidden [n, H], tapped [T, n, H]."""
+        return self.forward_tapped(input_ids, torch.arange(int(input_ids.shape[0])), view, taps=taps)
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -538,8 +538,9 @@ class LeanLlama:
 
 
 class OnLeanForward:
-    """What an exact engine (CPU or GPU) leaves to the lean forward it wraps (`self.lean`): batched
-    generation's slots, and any forward over one of their slots. The engine supplies `forward_tapped`."""
+    """What an exact engine leaves to the lean forward it wraps (`self.lean`) unless it has its own
+    (the CPU engine does): batched generation's slots, and any forward over one of their slots. The
+    engine supplies `forward_tapped`."""
 
     lean: LeanLlama
 
@@ -556,7 +557,7 @@ class OnLeanForward:
         return self.lean.new_slots(slots, capacity)
 
     def forward_slots(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Batched generation (data generation) runs on the lean forward."""
+        """Batched generation (data generation) on the lean forward."""
         return self.lean.forward_slots(input_ids, cache)
 
     def forward_slots_tapped(self, input_ids: torch.Tensor, cache: SlotCache, taps: tuple[int, ...] = ()

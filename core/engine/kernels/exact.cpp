@@ -1208,7 +1208,7 @@ class Model {
   // features; empty: none).
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor keys, torch::Tensor values,
                         int64_t past, torch::Tensor tree_mask, std::vector<int64_t> taps, torch::Tensor tapped) const {
-    const int64_t n = ids.size(0), h = cfg.hidden, d = cfg.head_dim;
+    const int64_t n = ids.size(0);
     TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous(),
                 "the cache must be contiguous fp32");
     TORCH_CHECK(keys.size(0) == static_cast<int64_t>(layers.size()) && keys.size(3) >= past + n, "cache too small");
@@ -1221,40 +1221,54 @@ class Model {
       TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position out of range");
     }
     const std::vector<std::vector<int64_t>> seen = visible_rows(n, tree_mask);
-    auto opts = torch::TensorOptions().dtype(torch::kFloat32);
-    torch::Tensor x = torch::empty({n, h}, opts), normed = torch::empty({n, h}, opts);
-    torch::Tensor qkv = torch::empty({n, layers[0].qkv.out}, opts);
-    torch::Tensor attended = torch::empty({n, cfg.heads * d}, opts), delta = torch::empty({n, h}, opts);
-    torch::Tensor gate_up = torch::empty({n, 2 * cfg.intermediate}, opts);
-    torch::Tensor act = torch::empty({n, cfg.intermediate}, opts);
-    float* xp = x.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i) embed.row_into(id[i], xp + i * h);
     const int64_t capacity = keys.size(3), layer_stride = keys.stride(0);
-    TORCH_CHECK(taps.empty() || (tapped.scalar_type() == torch::kFloat32 && tapped.is_contiguous() &&
-                                 tapped.size(0) == static_cast<int64_t>(taps.size()) && tapped.size(1) == n &&
-                                 tapped.size(2) == h), "tapped must be contiguous fp32 [taps, n, H]");
-    for (size_t l = 0; l < layers.size(); ++l) {
-      for (size_t t = 0; t < taps.size(); ++t) {
-        if (taps[t] == static_cast<int64_t>(l)) std::copy(xp, xp + n * h, tapped.data_ptr<float>() + t * n * h);
-      }
-      const Layer& layer = layers[l];
-      float* layer_keys = keys.data_ptr<float>() + l * layer_stride;
-      float* layer_values = values.data_ptr<float>() + l * layer_stride;
-      rms_norm(xp, layer.attn_norm.data_ptr<float>(), normed.data_ptr<float>(), n, h, cfg.eps);
-      matmul_into(normed.data_ptr<float>(), n, layer.qkv, qkv.data_ptr<float>());
-      store_rotated(qkv.data_ptr<float>(), pos, n, past, layer_keys, layer_values, capacity);
-      attention(qkv.data_ptr<float>(), seen, past, layer_keys, layer_values, capacity, attended.data_ptr<float>());
-      matmul_into(attended.data_ptr<float>(), n, layer.out, delta.data_ptr<float>());
-      add_into(xp, delta.data_ptr<float>(), n * h);
-      rms_norm(xp, layer.mlp_norm.data_ptr<float>(), normed.data_ptr<float>(), n, h, cfg.eps);
-      matmul_into(normed.data_ptr<float>(), n, layer.gate_up, gate_up.data_ptr<float>());
-      silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), n);
-      matmul_into(act.data_ptr<float>(), n, layer.down, delta.data_ptr<float>());
-      add_into(xp, delta.data_ptr<float>(), n * h);
+    float* key_data = keys.data_ptr<float>();
+    float* value_data = values.data_ptr<float>();
+    return run_layers(id, n, taps, tapped,
+        [&](size_t l, float* qkv) {
+          store_rotated(qkv, pos, n, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity);
+        },
+        [&](size_t l, const float* qkv, float* attended) {
+          attention(qkv, seen, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity, attended);
+        });
+  }
+
+  // Batched generation: hidden [B, H] (after the final norm) of one new token a slot, ids[b] at position
+  // lengths[b] of slot b, whose own cache keys/values [B, layers, 1, kv_heads, capacity, d] (fp32)
+  // receives it there. Row b attends its slot's rows [0, lengths[b]] alone, through the same products,
+  // rotation and attend_one as the one-sequence forward's plain step at that position: bit for bit
+  // that step. tapped [T, B, H] as in forward.
+  torch::Tensor forward_slots(torch::Tensor ids, torch::Tensor keys, torch::Tensor values, torch::Tensor lengths,
+                              std::vector<int64_t> taps, torch::Tensor tapped) const {
+    const int64_t n = ids.size(0);
+    TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous() &&
+                values.sizes() == keys.sizes(), "the slots' cache must be contiguous fp32");
+    TORCH_CHECK(keys.dim() == 6 && keys.size(0) == n && keys.size(1) == static_cast<int64_t>(layers.size()) &&
+                keys.size(2) == 1 && keys.size(3) == cfg.kv_heads && keys.size(5) == cfg.head_dim,
+                "the slots' cache must be [slots, layers, 1, kv_heads, capacity, head_dim]");
+    auto ids_c = ids.to(torch::kLong).contiguous();
+    auto len_c = lengths.to(torch::kLong).contiguous();
+    TORCH_CHECK(len_c.numel() == n, "one length a slot");
+    const int64_t* id = ids_c.data_ptr<int64_t>();
+    const int64_t* len = len_c.data_ptr<int64_t>();
+    const int64_t capacity = keys.size(4), slot_stride = keys.stride(0), layer_stride = keys.stride(1);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < embed.out, "token id out of range");
+      TORCH_CHECK(len[i] >= 0 && len[i] < capacity && len[i] < cos.size(0), "a slot is full");
     }
-    torch::Tensor result = torch::empty({n, h}, opts);
-    rms_norm(xp, final_norm.data_ptr<float>(), result.data_ptr<float>(), n, h, cfg.eps);
-    return result;
+    float* key_data = keys.data_ptr<float>();
+    float* value_data = values.data_ptr<float>();
+    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim;
+    return run_layers(id, n, taps, tapped,
+        [&](size_t l, float* qkv) {
+          for (int64_t i = 0; i < n; ++i)  // each row as a one-row forward of its own slot
+            store_rotated(qkv + i * width, len + i, 1, len[i], key_data + i * slot_stride + l * layer_stride,
+                          value_data + i * slot_stride + l * layer_stride, capacity);
+        },
+        [&](size_t l, const float* qkv, float* attended) {
+          attention_slots(qkv, len, n, key_data + l * layer_stride, value_data + l * layer_stride, slot_stride,
+                          capacity, attended);
+        });
   }
 
   // logits [n, V] of hidden [n, H] through the output projection (the same product kernel)
@@ -1304,6 +1318,66 @@ class Model {
       for (int64_t j = 0; j < n; ++j)
         if (m[i * n + j]) seen[i].push_back(j);
     return seen;
+  }
+
+  // Embed ids [n], run every layer (`store(l, qkv)` writes layer l's new keys and values, `attend(l, qkv,
+  // attended)` attends them) and the final norm: hidden [n, H]. tapped [T, n, H] receives the residual
+  // stream entering each layer of `taps`.
+  template <class Store, class Attend>
+  torch::Tensor run_layers(const int64_t* id, int64_t n, const std::vector<int64_t>& taps, torch::Tensor& tapped,
+                           const Store& store, const Attend& attend) const {
+    const int64_t h = cfg.hidden, d = cfg.head_dim;
+    auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+    torch::Tensor x = torch::empty({n, h}, opts), normed = torch::empty({n, h}, opts);
+    torch::Tensor qkv = torch::empty({n, layers[0].qkv.out}, opts);
+    torch::Tensor attended = torch::empty({n, cfg.heads * d}, opts), delta = torch::empty({n, h}, opts);
+    torch::Tensor gate_up = torch::empty({n, 2 * cfg.intermediate}, opts);
+    torch::Tensor act = torch::empty({n, cfg.intermediate}, opts);
+    float* xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) embed.row_into(id[i], xp + i * h);
+    TORCH_CHECK(taps.empty() || (tapped.scalar_type() == torch::kFloat32 && tapped.is_contiguous() &&
+                                 tapped.size(0) == static_cast<int64_t>(taps.size()) && tapped.size(1) == n &&
+                                 tapped.size(2) == h), "tapped must be contiguous fp32 [taps, n, H]");
+    for (size_t l = 0; l < layers.size(); ++l) {
+      for (size_t t = 0; t < taps.size(); ++t) {
+        if (taps[t] == static_cast<int64_t>(l)) std::copy(xp, xp + n * h, tapped.data_ptr<float>() + t * n * h);
+      }
+      const Layer& layer = layers[l];
+      rms_norm(xp, layer.attn_norm.data_ptr<float>(), normed.data_ptr<float>(), n, h, cfg.eps);
+      matmul_into(normed.data_ptr<float>(), n, layer.qkv, qkv.data_ptr<float>());
+      store(l, qkv.data_ptr<float>());
+      attend(l, qkv.data_ptr<float>(), attended.data_ptr<float>());
+      matmul_into(attended.data_ptr<float>(), n, layer.out, delta.data_ptr<float>());
+      add_into(xp, delta.data_ptr<float>(), n * h);
+      rms_norm(xp, layer.mlp_norm.data_ptr<float>(), normed.data_ptr<float>(), n, h, cfg.eps);
+      matmul_into(normed.data_ptr<float>(), n, layer.gate_up, gate_up.data_ptr<float>());
+      silu_mul(gate_up.data_ptr<float>(), act.data_ptr<float>(), n);
+      matmul_into(act.data_ptr<float>(), n, layer.down, delta.data_ptr<float>());
+      add_into(xp, delta.data_ptr<float>(), n * h);
+    }
+    torch::Tensor result = torch::empty({n, h}, opts);
+    rms_norm(xp, final_norm.data_ptr<float>(), result.data_ptr<float>(), n, h, cfg.eps);
+    return result;
+  }
+
+  // each slot's row over its own cache: rows [0, len[i]) then itself (stored at len[i]), by attend_one
+  void attention_slots(const float* qkv, const int64_t* len, int64_t n, const float* keys, const float* values,
+                       int64_t slot_stride, int64_t capacity, float* out) const {
+    const int64_t d = cfg.head_dim, width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
+    const int64_t itself = 0;
+    auto attend = [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / cfg.heads, head = task % cfg.heads, kv = head / group;
+        const int64_t at = i * slot_stride + kv * capacity * d;
+        attend_one(qkv + i * width + head * d, keys + at, values + at, len[i], &itself, 1, d, cfg.scale,
+                   out + i * cfg.heads * d + head * d, scores);
+      }
+    };
+    int64_t keys_read = 0;
+    for (int64_t i = 0; i < n; ++i) keys_read += cfg.heads * (len[i] + 1);
+    if (keys_read < PARALLEL_KEYS) attend(0, n * cfg.heads);
+    else at::parallel_for(0, n * cfg.heads, 1, attend);
   }
 
   void store_rotated(float* qkv, const int64_t* pos, int64_t n, int64_t past, float* keys, float* values,
@@ -1448,6 +1522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"),
            py::arg("cos"), py::arg("sin"))
       .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_slots", &Model::forward_slots, py::call_guard<py::gil_scoped_release>())
       .def("project", &Model::project, py::call_guard<py::gil_scoped_release>());
   m.def("matmul", &Model::matmul, "x @ w.T by the row-invariant product", py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &Model::dequantize, "a weight's rows as fp32 [out, in]");
