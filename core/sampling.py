@@ -42,3 +42,31 @@ def next_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Ge
         return int(logits.argmax())
     probs = sampling_probs(logits, config)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+NUCLEUS_CANDIDATES = 1024  # a row's best tokens `sample_rows` reads first: a top-p set almost always lies within
+
+
+def sample_rows(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of logits [b, V] from `sampling_probs`'s distribution: [b] token ids.
+
+    With top-p alone (top_k 0) each row is read through its NUCLEUS_CANDIDATES best tokens (their
+    probabilities normalised over the whole vocabulary), so nothing is sorted at the vocabulary's width
+    (64 rows of 49,152: ~165 -> ~16 ms on two cores); a row whose top-p set reaches past them falls back
+    to `sampling_probs`, so every row's distribution is the same either way."""
+    if config.greedy:
+        return logits.argmax(-1)
+    if config.top_k > 0 or config.top_p >= 1.0 or logits.shape[-1] <= NUCLEUS_CANDIDATES:
+        return torch.multinomial(sampling_probs(logits, config), 1, generator=generator).squeeze(-1)
+    scaled = logits.float() / config.temperature  # [b, V]
+    top = torch.topk(scaled, NUCLEUS_CANDIDATES, dim=-1)  # sorted, best first
+    probs = torch.exp(top.values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # [b, C]
+    before = probs.cumsum(-1) - probs  # the mass ahead of each candidate
+    kept = probs.masked_fill(before >= config.top_p, 0.0)  # sampling_probs's rule
+    inside = probs.sum(-1) >= config.top_p  # [b] the next token past the candidates would be dropped
+    chosen = top.indices.gather(-1, torch.multinomial(kept, 1, generator=generator)).squeeze(-1)  # [b]
+    outside = (~inside).nonzero().flatten()
+    if len(outside):
+        chosen[outside] = torch.multinomial(sampling_probs(logits[outside], config), 1,
+                                            generator=generator).squeeze(-1)
+    return chosen

@@ -35,12 +35,13 @@ from tqdm import tqdm
 from core.drafters.eagle import eagle_taps
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
 from core.precision import default_precision
-from core.sampling import SamplingConfig, sampling_probs
+from core.sampling import SamplingConfig, sample_rows
 from offline.sharegpt import load_sharegpt_prompts
 
 TRAIN_PROMPTS = REPO_ROOT / "assets" / "data" / "train_prompts.jsonl"
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
 TEACHER_TOP = 32  # teacher distribution kept per position: the top tokens carry almost all mass
+SAMPLED = SamplingConfig(temperature=0.9, top_p=0.95)  # sampled answers: varied, still the model's own
 
 TOPICS = [
     "cooking", "travel", "personal finance", "physics", "chemistry", "biology", "astronomy",
@@ -124,7 +125,7 @@ class AnswerFeatures:
 
 def generate_batch(base: BaseModel, prompts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
     """Answers (token ids, up to and including EOS) to `prompts`, in order."""
-    sampling = SamplingConfig(temperature=0.9, top_p=0.95) if sample else SamplingConfig()
+    sampling = SAMPLED if sample else SamplingConfig()
     batcher = ContinuousBatcher(base, max_new_tokens, sampling=sampling, keep_features=False)
     return [done.answer for done in _in_order(base, prompts, batcher)]
 
@@ -176,7 +177,8 @@ class ContinuousBatcher:
     def __init__(self, base: BaseModel, max_new_tokens: int, *, slots: int = 64, max_prompt_tokens: int = 384,
                  sampling: SamplingConfig = SamplingConfig(), keep_features: bool = True) -> None:
         if base.engine is None:
-            raise ValueError("batched generation runs on the lean or exact forward (core.engine), which this model lacks")
+            raise ValueError("batched generation runs on the lean or exact forward (core.engine), which this "
+                             "model lacks")
         self.base, self.engine = base, base.engine
         self.max_new_tokens = max_new_tokens
         self.slot_count = slots
@@ -235,10 +237,7 @@ class ContinuousBatcher:
         """The next token of each row of hidden [b, H]; records the features when asked (with the
         rows' tapped residual streams [T, b, H] when given)."""
         logits = self.engine.project(hidden).float()  # [b, V]
-        if self.sampling.greedy:
-            chosen = logits.argmax(-1)  # [b]
-        else:
-            chosen = torch.multinomial(sampling_probs(logits, self.sampling), 1, generator=self.generator).squeeze(-1)
+        chosen = sample_rows(logits, self.sampling, self.generator)  # [b]
         if self.keep_features:
             top = torch.topk(logits, TEACHER_TOP, dim=-1)  # [b, top] the softmax's top = the logits' top
             probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # [b, top]
@@ -377,7 +376,7 @@ def answer_prompts(base: BaseModel, prompts: list[dict], config: GenConfig) -> N
     tokens = 0
     start_time = time.time()
     by_id = {p["id"]: p for p in todo}
-    sampling = SamplingConfig(temperature=0.9, top_p=0.95) if config.samples else SamplingConfig()
+    sampling = SAMPLED if config.samples else SamplingConfig()
     batcher = ContinuousBatcher(base, config.max_new_tokens, slots=config.slots, sampling=sampling,
                                 max_prompt_tokens=config.max_prompt_tokens, keep_features=config.keep_features)
     pending: list[Finished] = []

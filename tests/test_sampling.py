@@ -193,3 +193,26 @@ def test_shipped_model_speculative_sampling_matches_plain(base_fp32, shipped_hea
                                                              generator=generator), minlength=31).double() / SHIPPED_DRAWS,
                             exact_b) for _ in range(20)]
     assert total_variation(empirical_b, exact_b) < 1.5 * max(null)
+
+
+def test_batched_draws_follow_sampling_probs_inside_and_outside_the_candidates(monkeypatch):
+    """`sample_rows` (batched generation's draw) reads a row through its best candidates only when its
+    top-p set lies among them, else falls back: either way each row's draws follow `sampling_probs`.
+    A peaked row (set inside 8 candidates) and a flat row (outside) drawn 4,000 times each: every token
+    drawn is in the row's set, and the frequencies match the probabilities."""
+    import core.sampling
+    from core.sampling import SamplingConfig, sample_rows, sampling_probs
+    monkeypatch.setattr(core.sampling, "NUCLEUS_CANDIDATES", 8)
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.tensor([4.0, 3.0, 2.5, 1.0] + [-6.0] * 60)
+    flat = torch.zeros(64)
+    logits = torch.stack([peaked, flat])  # [2, 64]
+    config = SamplingConfig(temperature=0.9, top_p=0.9)
+    probs = sampling_probs(logits, config)  # [2, 64]
+    assert (probs[0] > 0).sum() <= 8 < (probs[1] > 0).sum()  # one inside the candidates, one not
+    draws = torch.stack([sample_rows(logits, config, generator) for _ in range(4000)])  # [4000, 2]
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=64).float() / 4000
+        assert bool((counts[probs[row] == 0] == 0).all())
+        assert torch.allclose(counts, probs[row], atol=0.03)
+    assert torch.equal(sample_rows(logits, SamplingConfig(), generator), logits.argmax(-1))
