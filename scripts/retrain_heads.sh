@@ -4,8 +4,9 @@
 #      (the base model's greedy answers to the Apache-2.0 / MIT prompts of assets/data and to
 #      prompts it wrote itself): they are unpacked into data/ and their features extracted once
 #      (cached beside them, bf16 where bf16 is fast). GENERATE=1 first answers the licence-clean
-#      prompts not answered yet (resumable); SHAREGPT=1 adds ShareGPT first turns (needs
-#      requirements-datagen.txt; their text is never committed, licence unstated).
+#      prompts not answered yet (resumable) and goes on with the sampled answers in the page's
+#      precision (4 a prompt, distill_q8_s4: resumes where the committed part stops); SHAREGPT=1 adds
+#      ShareGPT first turns (needs requirements-datagen.txt; their text is never committed, licence unstated).
 #   2. Medusa heads (offline.train) and Hydra heads (offline.train_hydra) on the same features, into
 #      candidate folders (MEDUSA_OUT, HYDRA_OUT); each writes its report.json (held-out accuracy on
 #      MT-Bench and the second set; Hydra also tokens per step of its grown tree). Ship a candidate
@@ -33,15 +34,18 @@ unpack distill_clean.jsonl.gz distill_clean.jsonl
 unpack self_prompts.jsonl.gz distill_clean.self_prompts.jsonl
 unpack distill_self1.jsonl.gz distill_self1.jsonl
 unpack self_prompts_s1.jsonl.gz distill_self1.self_prompts.jsonl
+unpack distill_q8_s4.jsonl.gz distill_q8_s4.jsonl
 if [ "${GENERATE:-0}" = "1" ]; then
   $PY -m offline.datagen --out data/distill_clean.jsonl --train-prompts 12335 --self-prompts 1380 \
       --families gpteacher,self-instruct/user,self-instruct/seed,self/ \
       --skip-answered assets/distill/distill.jsonl.gz --max-new-tokens 256
   $PY -m offline.datagen --out data/distill_self1.jsonl --train-prompts 0 --self-prompts 1380 --seed 1 \
       --max-new-tokens 256
+  $PY -m offline.datagen --out data/distill_q8_s4.jsonl --train-prompts 12335 --self-prompts 0 --samples 4 \
+      --no-features --max-new-tokens 256
 fi
 DATA=data/distill.jsonl
-for EXTRA in data/distill_clean.jsonl data/distill_self1.jsonl; do
+for EXTRA in data/distill_clean.jsonl data/distill_self1.jsonl data/distill_q8_s4.jsonl; do
   [ -s "$EXTRA" ] && DATA=$DATA,$EXTRA
 done
 if [ "${SHAREGPT:-0}" = "1" ]; then
