@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replay-only", action="store_true", help="serve the recorded gallery; load no model")
     args = parser.parse_args(argv)
     replay_only = REPLAY_ONLY
-    if os.environ.get("SPACE_ID") and not replay_only:
-        space_setup.prepare_space()  # the model package a Space's requirements.txt cannot hold
     if not replay_only:
+        if os.environ.get("SPACE_ID"):
+            space_setup.prepare_space()  # the model package a Space's requirements.txt cannot hold
         try:
             labstate.runtime(labstate.machine_precision())  # load once before the first visitor
         except Exception as error:  # noqa: BLE001  (a Space without the model still shows the gallery)

@@ -28,12 +28,17 @@ def sampling_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
     probs = torch.softmax(logits, dim=-1)  # [..., V]
     if config.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass before it already reaches top_p (the best token always stays)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= config.top_p
+        drop_sorted = outside_top_p(sorted_probs, config.top_p)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def outside_top_p(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's rule on probabilities sorted best first [..., n]: a token is dropped when the mass before it
+    already reaches top_p (the best token always stays)."""
+    return (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
 
 
 def next_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:
@@ -61,8 +66,7 @@ def sample_rows(logits: torch.Tensor, config: SamplingConfig, generator: torch.G
     scaled = logits.float() / config.temperature  # [b, V]
     top = torch.topk(scaled, NUCLEUS_CANDIDATES, dim=-1)  # sorted, best first
     probs = torch.exp(top.values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # [b, C]
-    before = probs.cumsum(-1) - probs  # the mass ahead of each candidate
-    kept = probs.masked_fill(before >= config.top_p, 0.0)  # sampling_probs's rule
+    kept = probs.masked_fill(outside_top_p(probs, config.top_p), 0.0)  # [b, C]
     inside = probs.sum(-1) >= config.top_p  # [b] the next token past the candidates would be dropped
     chosen = top.indices.gather(-1, torch.multinomial(kept, 1, generator=generator)).squeeze(-1)  # [b]
     outside = (~inside).nonzero().flatten()

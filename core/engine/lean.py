@@ -549,7 +549,7 @@ class OnLeanForward:
         """Hidden states [n, H] of input_ids [n] at position_ids [n] on top of `cache`, which then
         holds them too; among the new tokens `tree_mask` (bool [n, n]) or causal order. Computed in
         fp32, returned in the model's precision (what its heads read; a plain step rounds alike)."""
-        if not isinstance(cache, StaticCache):  # a slot of batched generation: the lean forward's
+        if isinstance(cache, SlotView):  # a slot of the lean forward's batched generation
             return self.lean.forward(input_ids, position_ids, cache, tree_mask)
         return self.forward_tapped(input_ids, position_ids, cache, tree_mask)[0]
 
