@@ -251,6 +251,25 @@ def test_greedy_equals_plain_with_every_tiny_drafter():
         assert products and all(isinstance(p, KernelProduct) for p in products)
 
 
+@needs_kernels
+def test_medusa_resblocks_on_the_kernels_propose_what_torch_proposes():
+    """A heads drafter on the exact engine runs its ResBlocks through the kernels (drafts only propose,
+    so no bitwise claim): the same tokens, probabilities within bf16's rounding of torch's."""
+    base = tiny_base("llama")
+    heads = tiny_heads(base)
+    for head in heads.heads:  # non-zero blocks: the identity would hide a wrong product
+        torch.nn.init.normal_(head[0].linear.weight, std=0.05, generator=torch.Generator().manual_seed(3))
+    session = decode(base, heads, list(range(40, 60)), DecodeConfig(spec="dynamic:8", max_new_tokens=2))
+    drafter = session.heads_drafter
+    assert drafter.products is not None and isinstance(drafter.products.first[0], KernelProduct)
+    hidden = torch.randn(5, base.model.config.hidden_size).to(drafter.dtype)
+    mine = drafter.heads.propose(hidden, 4, drafter.projection, products=drafter.products)
+    torch_first = drafter.heads.residual_products()
+    theirs = drafter.heads.propose(hidden, 4, drafter.projection, products=torch_first)
+    assert torch.equal(mine[1], theirs[1])
+    assert torch.allclose(mine[0], theirs[0], atol=2e-2)
+
+
 def test_the_lean_forward_serves_when_the_kernels_cannot_build(monkeypatch, tmp_path):
     """A missing compiler (simulated) or a failed build: a warning, and the lean forward decodes."""
     from core.engine import build

@@ -130,13 +130,14 @@ def test_the_stacked_first_blocks_propose_what_each_head_proposes(num_layers, de
     same tokens with the same probabilities as the heads run one by one, for any depth prefix."""
     heads = random_heads(HeadsConfig(num_heads=4, num_layers=num_layers, hidden_size=32, vocab_size=200))
     projection = heads.draft_projection(torch.nn.Linear(32, 200, bias=False))
-    first_layer = heads.stacked_first_layer()
-    assert (first_layer is None) == (num_layers == 0)
-    if first_layer is not None:
-        assert first_layer[0].shape == (4 * 32, 32) and first_layer[1].shape == (4 * 32,)
+    products = heads.residual_products()
+    assert (products is None) == (num_layers == 0)
+    if products is not None:
+        assert len(products.first) == 4
+        assert all(len(later) == num_layers - 1 for later in products.later)
     for hidden in (torch.randn(32), torch.randn(5, 32)):
         probs, ids = heads.propose(hidden, 8, projection, depth=depth)
-        stacked_probs, stacked_ids = heads.propose(hidden, 8, projection, depth=depth, first_layer=first_layer)
+        stacked_probs, stacked_ids = heads.propose(hidden, 8, projection, depth=depth, products=products)
         assert ids.shape[0] == (depth or 4) and torch.equal(stacked_ids, ids)
         assert torch.allclose(stacked_probs, probs, atol=1e-6)
 

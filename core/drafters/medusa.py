@@ -202,6 +202,32 @@ def ranked(logits: torch.Tensor, width: int, projection: DraftProjection | None)
     return top.values, ids
 
 
+def ranked_prefixes(logits: torch.Tensor, rows: Sequence[int], width: int,
+                    projection: DraftProjection) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked` for each head d over its own first `rows[d]` columns of logits [D, ..., V'], as one
+    top-k and one logsumexp (the columns past a head's prefix count as -inf): ([D, ..., width] x 2)."""
+    limits = torch.tensor(rows, device=logits.device).view(-1, *([1] * (logits.dim() - 1)))  # [D, 1...]
+    outside = torch.arange(logits.shape[-1], device=logits.device) >= limits  # [D, 1..., V']
+    return ranked(logits.float().masked_fill(outside, float("-inf")), width, projection)
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> x @ W.T + b [..., out]
+
+
+def torch_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
+    """`x @ weight.T + bias` by torch's linear."""
+    return lambda x: F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class ResidualProducts:
+    """Medusa heads' ResBlock products for drafting (`MedusaHeads.residual_products`): the first
+    blocks of heads 1..d stacked as one product per d, each head's later blocks one product each."""
+
+    first: tuple[Product, ...]  # first[d - 1]: [..., H] -> [..., d*H], heads 1..d's first blocks' linears
+    later: tuple[tuple[Product, ...], ...]  # per head: the linears of its blocks 2..L
+
+
 class ResBlock(nn.Module):
     """x + SiLU(Linear(x)). Zero-initialised (SiLU(0) = 0): a fresh head starts as the identity."""
 
@@ -246,53 +272,58 @@ class MedusaHeads(nn.Module):
             raise ValueError("heads with their own projection have no draft vocabulary")
         return draft_rows(lm_head, self.draft_vocab, self.config.depth_vocab)
 
-    def stacked_first_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every head's first ResBlock stacked, for `propose`: (weights [K*H, H], biases [K*H]), or None
-        for heads without ResBlocks. Build it once per drafting session (the heads are frozen there)."""
+    def residual_products(self, make: Callable[[torch.Tensor, torch.Tensor], Product] | None = None
+                          ) -> "ResidualProducts | None":
+        """Every head's ResBlock products for `propose`, each weight multiplied by `make(weight, bias)`
+        (default: torch's linear; the exact engine's kernels: `ExactLlama.kernel_product`), the first
+        blocks stacked into one product per depth prefix. None for heads without ResBlocks. Build it
+        once per drafting session (the heads are frozen there)."""
         if self.config.num_layers == 0:
             return None
-        linears = [block[0].linear for block in self.heads]
-        return torch.cat([l.weight for l in linears]), torch.cat([l.bias for l in linears])
+        make = make or torch_product
+        linears = [[layer.linear for layer in block if isinstance(layer, ResBlock)] for block in self.heads]
+        weight = torch.cat([head[0].weight for head in linears])  # [K*H, H]
+        bias = torch.cat([head[0].bias for head in linears])  # [K*H]
+        hidden = self.config.hidden_size
+        return ResidualProducts(
+            first=tuple(make(weight[: d * hidden], bias[: d * hidden]) for d in range(1, len(linears) + 1)),
+            later=tuple(tuple(make(l.weight, l.bias) for l in head[1:]) for head in linears))
 
     def propose(self, hidden: torch.Tensor, width: int, projection: DraftProjection | None = None,
-                depth: int | None = None, first_layer: tuple[torch.Tensor, torch.Tensor] | None = None
+                depth: int | None = None, products: "ResidualProducts | None" = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-`width` probabilities and token ids of the first `depth` heads at `hidden` [..., H]:
-        ([D, ..., width], [D, ..., width]). Shared-lm_head heads need `projection`; `first_layer`
-        (`stacked_first_layer()`) runs every head's first ResBlock as one product."""
+        ([D, ..., width], [D, ..., width]). Shared-lm_head heads need `projection`; `products`
+        (`residual_products()`) runs every head's first ResBlock as one product."""
         blocks = self.heads[: depth or len(self.heads)]
         if self.config.own_lm_head:
             return ranked(torch.stack([head(hidden) for head in blocks]), width, None)  # [D, ..., V]
         if projection is None:
             raise ValueError("these heads share the base model's lm_head: pass draft_projection(lm_head)")
-        states = self._states(hidden, blocks, first_layer)  # [D, ..., H]
+        states = self._states(hidden, blocks, products)  # [D, ..., H]
         # one product for all heads (a few rows read the weight once; one per head would read it
         # D times), then each head ranks its own prefix of the rows
         logits = projection.rows_logits(states, projection.widest_rows)  # [D, ..., widest_rows]
         if projection.uniform:
             return ranked(logits, width, projection)  # [D, ..., width] each
-        per_head = [ranked(logits[d, ..., : projection.rows_at(d + 1)], width, projection) for d in range(len(blocks))]
-        return torch.stack([p for p, _ in per_head]), torch.stack([i for _, i in per_head])  # [D, ..., width]
+        return ranked_prefixes(logits, [projection.rows_at(d + 1) for d in range(len(blocks))], width, projection)
 
-    def _states(self, hidden: torch.Tensor, blocks: nn.ModuleList,
-                first_layer: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _states(self, hidden: torch.Tensor, blocks: nn.ModuleList, products: "ResidualProducts | None") -> torch.Tensor:
         """The residual blocks of `blocks`: [..., H] -> [D, ..., H]. Every head's first block reads the same
-        state, so with `first_layer` they run as one product (a one-row product per head costs mostly its
+        state, so with `products` they run as one product (a one-row product per head costs mostly its
         call: 4 heads' two blocks 0.30 -> 0.19 ms in bf16 on a 2-core Zen 5); each output is the same dot
         product either way."""
-        if first_layer is None:
+        if products is None:
             return torch.stack([head(hidden) for head in blocks])  # [D, ..., H]
-        rows = len(blocks) * self.config.hidden_size
-        weight, bias = first_layer
-        first = F.silu(F.linear(hidden, weight[:rows], bias[:rows]))  # [..., D*H]
-        states = hidden + first.unflatten(-1, (len(blocks), -1)).movedim(-2, 0)  # [D, ..., H]
-        later = [list(block)[1:] for block in blocks]
-        if not any(later):
+        depth = len(blocks)
+        first = products.first[depth - 1](hidden)  # [..., D*H]
+        states = hidden + F.silu(first).unflatten(-1, (depth, -1)).movedim(-2, 0)  # [D, ..., H]
+        if not products.later[0]:
             return states
         outs = []
-        for state, layers in zip(states, later):
-            for layer in layers:
-                state = layer(state)
+        for state, layers in zip(states, products.later):
+            for product in layers:
+                state = state + F.silu(product(state))  # [..., H]
             outs.append(state)
         return torch.stack(outs)  # [D, ..., H]
 
@@ -394,9 +425,13 @@ class HeadsDrafter:
 
     def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
-        self.first_layer = self.heads.stacked_first_layer()  # the heads' first blocks as one product
+        # the heads' ResBlocks through the exact engine's kernels where it runs (bf16 weights at one row:
+        # 0.23 -> 0.05 ms for 4 heads' two blocks on a 2-core Zen 5), the first blocks as one product
+        make = base.engine.kernel_product if base.exact else None
+        self.products = self.heads.residual_products(make)
         self.width = width
         self.depth = depth
+        self.fixed_depth = 0  # the fixed tree's depth this drafter serves (for_session), else 0
 
     @classmethod
     def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
@@ -407,12 +442,19 @@ class HeadsDrafter:
         width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
         depth = max(config.depth, fixed.max_depth if fixed else 0)
-        return cls(heads, base, width=width, depth=depth)
+        drafter = cls(heads, base, width=width, depth=depth)
+        drafter.fixed_depth = fixed.max_depth if fixed else 0
+        return drafter
 
     def propose(self, context: DraftContext) -> HeadProposal:
+        """The first heads' top guesses: as many heads as the step's tree can reach (a tree of n nodes
+        is at most n deep; a fixed tree needs all of its depths)."""
         hidden = context.hidden.to(self.dtype)  # [H]
-        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=self.depth,
-                                        first_layer=self.first_layer)  # [D, m] each
+        depth = self.depth
+        if context.max_nodes is not None:
+            depth = max(self.fixed_depth, min(depth, max(1, context.max_nodes)))
+        probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=depth,
+                                        products=self.products)  # [D, m] each
         return HeadProposal(probs=probs, token_ids=ids)
 
     def observe(self, proposed: HeadProposal | list[Chain], verified_depths: Sequence[int],

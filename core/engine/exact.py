@@ -299,12 +299,14 @@ class ExactLlama(OnLeanForward):
         return KernelProduct(self.kernels, self.kernels.Weight(BF16, weight.detach().bfloat16().contiguous(), rows,
                                                            width))
 
-    def kernel_product(self, weight: torch.Tensor) -> "KernelProduct":
-        """`x @ weight.T` through the kernels for a drafter's own layer (weight [out, in], fp32 or bf16)."""
+    def kernel_product(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "KernelProduct":
+        """`x @ weight.T (+ bias)` through the kernels for a drafter's own layer (weight [out, in], fp32 or
+        bf16; the bias added in fp32 before the result takes x's precision)."""
         data = weight.detach().contiguous()
         fmt = BF16 if data.dtype == torch.bfloat16 else F32
         data = data if fmt == BF16 else data.float().contiguous()
-        return KernelProduct(self.kernels, self.kernels.Weight(fmt, data, data.shape[0], data.shape[1]))
+        bias = None if bias is None else bias.detach().float().contiguous()
+        return KernelProduct(self.kernels, self.kernels.Weight(fmt, data, data.shape[0], data.shape[1], bias))
 
     def describe(self) -> str:
         """One line for the page and the benchmark: the mode and what its products read."""

@@ -775,6 +775,20 @@ VNNI_TARGET inline __m512i every_lane4_512(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// Tiles of several rows spend longer on each block than the hardware prefetcher looks ahead: asking
+// for each group's block PREFETCH_BLOCKS ahead cut 2 / 4 / 8-row products of the shipped model's layers
+// by 5 / 10 / 7 % on a 2-core Zen 5 (one row: no gain). A prefetch never faults, past the end included.
+constexpr int64_t PREFETCH_BLOCKS = 2;
+
+template <int FMT, int C>
+VNNI_TARGET inline void prefetch_blocks(const Weight& w, int64_t g0, int64_t b) {
+  constexpr int LINES = FMT == Q4_1 ? 4 : 8;  // a packed block of 16 columns: 256 / 512 bytes
+  for (int c = 0; c < C; ++c) {
+    const char* ahead = reinterpret_cast<const char*>(w.pq) + ((g0 + c) * (w.in / QBLOCK) + b) * LINES * 64;
+    for (int line = 0; line < LINES; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+  }
+}
+
 // R rows x C groups from group g0 (R x C accumulators, their block sums and C groups' weights in 32 zmm)
 template <int FMT, int R, int C>
 VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight& w, int64_t g0, float* out) {
@@ -786,6 +800,7 @@ VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight&
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = a.q.data() + ((row + r) * blocks + b) * QBLOCK;
+    if constexpr (R >= 2) prefetch_blocks<FMT, C>(w, g0, b + PREFETCH_BLOCKS);
     __m512i isum[R][C];
     if constexpr (FMT == Q4_1) {
       for (int r = 0; r < R; ++r)
