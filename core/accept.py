@@ -75,17 +75,20 @@ def _judging_rows(tree: CandidateTree) -> list[int]:
 def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput) -> AcceptResult:
     """Longest path agreeing with the base argmax at every node; bonus = argmax after it."""
     rows = _judging_rows(tree)
-    device = verified.hidden.device
-    predicted = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long, device=device)  # [n+1]
-    predicted[rows] = verified.logits(rows).argmax(dim=-1)
-    parents = torch.tensor(tree.parents, device=device).clamp_min(0)  # [n+1]
-    node_ok = node_tokens.to(device) == predicted[parents]  # [n+1]
-    node_ok[0] = True  # the root is the base model's own token
-    retrieve, lengths = _longest_rows(tree, node_ok)
-    best = int(lengths.argmax())
-    nodes = retrieve[best, : int(lengths[best])].tolist()
-    return AcceptResult(accepted_nodes=nodes, bonus_token=int(predicted[nodes[-1]]) if nodes[-1] in rows
-                        else int(verified.row(nodes[-1]).argmax()))
+    predicted = dict(zip(rows, verified.logits(rows).argmax(dim=-1).tolist()))  # row -> the base model's token
+    tokens = node_tokens.tolist()
+    # a node is right when it is its parent's argmax (the root is the base model's own token); plain
+    # lists: a tree of a few nodes costs a dozen small torch calls more than its arithmetic
+    node_ok = [True] + [tokens[node] == predicted.get(parent) for node, parent in enumerate(tree.parents) if node]
+    nodes = [0]
+    for leaf in tree.leaves:  # the first root-to-leaf path with the most leading right nodes
+        chain = tree.ancestors(leaf)
+        right = next((i for i, node in enumerate(chain) if not node_ok[node]), len(chain))
+        if right > len(nodes):
+            nodes = chain[:right]
+    last = nodes[-1]
+    return AcceptResult(accepted_nodes=nodes, bonus_token=predicted[last] if last in predicted
+                        else int(verified.row(last).argmax()))
 
 
 def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,

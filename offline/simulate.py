@@ -26,6 +26,7 @@ from core.model import BaseModel, ModelConfig, load_base_model
 from core.families import FAMILIES
 from core.strategy import DEFAULT_FIXED_TREE, StrategyError, parse_strategy
 from core.tree import CandidateTree, dynamic_tree, named_tree
+from core.verify import VerifyOutput, forward_tokens
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,20 @@ def parse_tree_spec(text: str) -> TreeSpec:
 
 
 @torch.inference_mode()
+def sequence_states(base: BaseModel, ids: list[int]) -> VerifyOutput:
+    """One causal forward of `ids` from an empty cache by the forward the decoder runs (the exact
+    engine's in its precision: a prefill's rows are the plain steps' numbers), so drafters are
+    scored, and trained, on the hidden states they read when decoding."""
+    cache = base.new_cache(len(ids) + 1)
+    return forward_tokens(base, cache, torch.tensor(ids), torch.arange(len(ids)))  # hidden [n, H]
+
+
 def head_proposals(base: BaseModel, heads: MedusaHeads, prompt_ids: list[int], answer_ids: list[int],
                    width: int, draft: DraftProjection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`width` head probabilities and ids at every answer position, teacher-forced (one forward):
     ([L, K, width], [L, K, width]); row j holds what the heads guess from the hidden state that predicts a_j.
     The heads rank their draft vocabulary, as the decoder's do (`draft`: pass one to reuse it)."""
-    seq = torch.tensor([prompt_ids + answer_ids], device=base.device)  # [1, P+L]
-    hidden = base.model.model(input_ids=seq).last_hidden_state[0]  # [P+L, H]
+    hidden = sequence_states(base, prompt_ids + answer_ids).hidden  # [P+L, H]
     starts = hidden[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(answer_ids)]  # [L, H]: predicts a_i
     if draft is None:  # draft exactly as the decoder does (bf16 under an fp32 base where bf16 is fast)
         heads, draft, _ = heads_for_drafting(heads, base)

@@ -36,8 +36,9 @@ from offline.datagen import TEACHER_TOP, generate_batch, load_captured
 from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads, load_heads
 from core.machine import cpu_name
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
-from core.precision import fast_bf16_batched
-from offline.simulate import head_proposals
+from core.precision import default_precision, fast_bf16_batched
+from offline.simulate import head_proposals, sequence_states
+from core.verify import VerifyOutput
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
 SECOND_SET = REPO_ROOT / "assets" / "data" / "spec_mix.jsonl"
@@ -72,6 +73,9 @@ class TrainConfig:
     prefix_layer: bool = False  # Hydra only: Hydra++'s prefix attention layer ...
     prefix_stretch: int = 0  # ... trained on batches of stretches of this many positions of an answer (0: whole answers)
     init: str = ""  # a heads folder to start from (its weights and draft vocabulary; same settings): "" starts fresh
+    # the base model's precision for extracted features and the held-out scores ("": the page's on this
+    # machine, core.precision.default_precision): the hidden states the heads will read when decoding
+    precision: str = ""
 
     @property
     def depth_sizes(self) -> tuple[int, ...]:
@@ -147,9 +151,14 @@ def padded_rows(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8, bf16: bool = False) -> Features:
-    """One batched forward of the frozen base over each prompt + answer (right padded); `bf16`:
-    under CPU bf16 autocast (2-3x faster where bf16 is fast; the hidden states are stored in bf16
-    anyway, as the generator captures them in its fast precision)."""
+    """The features of each prompt + answer. On the exact engine: its own forward, one row at a time
+    (`sequence_states`: the numbers the drafters read on the page, in its precision); else one batched
+    transformers forward (right padded), under CPU bf16 autocast when `bf16` (2-3x faster where bf16
+    is fast; the hidden states are stored in bf16 anyway)."""
+    if base.exact:
+        return concat_features([_features_of(row, sequence_states(base, row["prompt_ids"] + row["answer_ids"]))
+                                for row in tqdm(rows, desc=f"features ({base.engine.mode})")
+                                if len(row["answer_ids"]) >= 2])
     fast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and base.device.type == "cpu")
     parts = []
     rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
@@ -161,12 +170,18 @@ def extract_features(base: BaseModel, rows: list[dict], batch_size: int = 8, bf1
         with fast:
             states = base.model.model(input_ids=ids.to(base.device), attention_mask=mask.to(base.device)).last_hidden_state
         for i, row in enumerate(chunk):
-            first, count = len(row["prompt_ids"]) - 1, len(row["answer_ids"])
-            region = states[i, first:first + count]  # [count, H]: hidden at t predicts answer[j]
-            logits = base.lm_head(region.to(base.lm_head.weight.dtype))  # [count, V] full precision: the target
-            top = torch.topk(torch.softmax(logits.float(), dim=-1), TEACHER_TOP, dim=-1)
-            parts.append(_answer_features(row["answer_ids"], region.cpu(), top.indices.cpu(), top.values.cpu()))
+            parts.append(_features_of(row, VerifyOutput(states[i], lambda h: base.lm_head(h.to(base.lm_head.weight.dtype)))))
     return concat_features(parts)
+
+
+def _features_of(row: dict, states: VerifyOutput) -> Features:
+    """One answer's features from the forward over its prompt + answer: the hidden state that
+    predicts each answer token and the model's top next tokens there (full precision: the target)."""
+    first, count = len(row["prompt_ids"]) - 1, len(row["answer_ids"])
+    rows = list(range(first, first + count))  # hidden at t predicts answer[j]
+    top = torch.topk(torch.softmax(states.logits(rows), dim=-1), TEACHER_TOP, dim=-1)  # [count, top]
+    return _answer_features(row["answer_ids"], states.hidden[first:first + count].cpu(), top.indices.cpu(),
+                            top.values.cpu())
 
 
 @dataclass
@@ -200,7 +215,7 @@ def load_training_features(base: BaseModel, paths: list[Path], extract_missing: 
         used = [r for r in rows if r["id"] in found]
         card.captured += len(used)
         if missing and extract_missing:
-            cache = path.with_suffix(".extracted.pt")
+            cache = path.with_suffix(f".extracted-{base.config.dtype}.pt")  # features differ by precision
             if cache.exists():
                 extracted = Features(**torch.load(cache, weights_only=True))
             else:
@@ -493,7 +508,7 @@ def run_training(config: TrainConfig, train: Callable[[BaseModel, Features, Trai
     random.seed(config.seed)
     times = {}
     started = time.time()
-    base = load_base_model(ModelConfig(dtype="fp32", device="cpu"))
+    base = load_base_model(ModelConfig(dtype=config.precision or default_precision(), device="cpu"))
     paths = [repo_path(p) for p in config.data.split(",")]
     features, card = load_training_features(base, paths, config.extract_missing)
     times["features_s"] = round(time.time() - started, 1)
@@ -506,6 +521,7 @@ def run_training(config: TrainConfig, train: Callable[[BaseModel, Features, Trai
     report = evaluate(base, heads, sets)
     times["eval_s"] = round(time.time() - eval_started, 1)
     report = {"config": asdict(config), "data": asdict(card), "times": times, "cpu": cpu_name(),
+              "precision": base.config.dtype,
               "bf16_autocast": fast_bf16_batched(), **report}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("times", "held_out")}, indent=1))
@@ -529,7 +545,8 @@ def medusa_report(base: BaseModel, heads: MedusaHeads, sets: dict[str, list[dict
         held_out[name] = {"positions": sum(len(r["answer_ids"]) for r in rows),
                           "draft_vocab_coverage": draft_coverage(heads, rows), "topk_accuracy": accuracy,
                           "top1": [a[0] for a in accuracy], "top5": [a[4] for a in accuracy]}
-    return {"family": "medusa", "eval": "base fp32 greedy answers (128 new tokens), teacher-forced",
+    return {"family": "medusa", "eval": "base fp32 greedy answers (128 new tokens), teacher-forced on the "
+                                        f"{base.config.dtype} forward's hidden states",
             "draft_vocab": heads.config.draft_vocab_size, "held_out": held_out}
 
 

@@ -270,6 +270,24 @@ def test_medusa_resblocks_on_the_kernels_propose_what_torch_proposes():
     assert torch.allclose(mine[0], theirs[0], atol=2e-2)
 
 
+@needs_kernels
+def test_training_features_on_the_exact_engine_are_the_plain_steps_numbers():
+    """Drafters train on what they read when decoding: on the exact engine (gguf-q8 here) each answer
+    position's feature is bitwise the hidden state of the plain step there, and the teacher's top token
+    is the token plain greedy chose."""
+    from offline.train import extract_features
+    base = tiny_gguf_base("gguf-q8")
+    prompt = list(range(40, 60))
+    answer = decode(base, None, prompt, DecodeConfig(spec="ar", max_new_tokens=12)).output_ids
+    features = extract_features(base, [{"prompt_ids": prompt, "answer_ids": answer}])
+    assert features.teacher_ids[:, 0].tolist() == answer
+    cache = base.new_cache(64)
+    steps = [base.engine.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)[-1]]  # [H]
+    for position, token in enumerate(answer[:-1], start=len(prompt)):
+        steps.append(base.engine.forward(torch.tensor([token]), torch.tensor([position]), cache)[0])
+    assert torch.equal(features.hidden, torch.stack(steps).bfloat16())
+
+
 def test_the_lean_forward_serves_when_the_kernels_cannot_build(monkeypatch, tmp_path):
     """A missing compiler (simulated) or a failed build: a warning, and the lean forward decodes."""
     from core.engine import build
