@@ -271,6 +271,26 @@ def test_medusa_resblocks_on_the_kernels_propose_what_torch_proposes():
 
 
 @needs_kernels
+def test_hydra_heads_on_the_kernels_grow_the_tree_torch_grows():
+    """A Hydra drafter on the exact engine runs every linear of its heads (and prefix layer) through the
+    kernels: the same grown tree as the heads in torch, scores within bf16's rounding."""
+    from core.drafters.hydra import grow_tree
+    from core.drafters.layers import KernelLinear
+    base = tiny_base("llama")
+    hydra = tiny_hydra(base, prefix_layer=True)
+    session = decode(base, hydra, list(range(40, 60)), DecodeConfig(spec="hydra:8", max_new_tokens=2))
+    drafter = session.heads_drafter
+    linears = [m for m in drafter.heads.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and any(isinstance(m, KernelLinear) for m in drafter.heads.modules())
+    torch_heads = hydra.to(drafter.dtype)
+    hidden = torch.randn(base.model.config.hidden_size).to(drafter.dtype)
+    grown = [grow_tree(heads, drafter.embed, drafter.projection, hidden, 7, budget=8, width=4, beam=4, depth=3)
+             for heads in (drafter.heads, torch_heads)]
+    assert torch.equal(grown[0].token_table, grown[1].token_table) and grown[0].tree.paths == grown[1].tree.paths
+    assert torch.allclose(torch.tensor(grown[0].tree.scores), torch.tensor(grown[1].tree.scores), atol=2e-2)
+
+
+@needs_kernels
 def test_training_features_on_the_exact_engine_are_the_plain_steps_numbers():
     """Drafters train on what they read when decoding: on the exact engine (gguf-q8 here) each answer
     position's feature is bitwise the hidden state of the plain step there, and the teacher's top token

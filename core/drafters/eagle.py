@@ -34,8 +34,6 @@ On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle")
 """
 from __future__ import annotations
 
-import copy
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -46,7 +44,7 @@ from torch.nn import functional as F
 
 from core.drafters.grown import GrownNode, GrownTree, Growth, deeper_could_enter, expand
 from core.drafters.interface import drafting_embedding, heads_for_drafting
-from core.drafters.layers import RMSNorm, read_weights, save_weights
+from core.drafters.layers import RMSNorm, linears_on_kernels, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
 
@@ -375,36 +373,6 @@ def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftPro
                             depth=depth).best(budget, kind="eagle")
 
 
-class _KernelLinear(nn.Module):
-    """A linear map through a kernel product (`ExactLlama.kernel_product`)."""
-
-    def __init__(self, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.product = product
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x)
-
-
-# each layer's drafting copy per base model (read-only, shared by every session)
-_ON_KERNELS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def drafting_layer(layer: EagleLayer, base: BaseModel) -> EagleLayer:
-    """`layer` as a session drafts with it: on the exact engine its products run through the kernels
-    with bf16 weights (half fp32's bytes; a draft only proposes, the verify decides every token)."""
-    if not base.exact:
-        return layer
-    copies = _ON_KERNELS.setdefault(layer, {})
-    if id(base) not in copies:
-        twin = copy.deepcopy(layer)
-        for name in ("fuse", "q", "kv", "o", "gate_up", "down"):
-            weight = getattr(layer, name).weight
-            setattr(twin, name, _KernelLinear(base.engine.kernel_product(weight.detach().bfloat16())))
-        copies[id(base)] = twin
-    return copies[id(base)]
-
-
 class EagleDrafter:
     """The draft layer behind the drafter interface: keeps its cache over the accepted positions
     (extended each step with the features the verify forward tapped) and grows EAGLE-2's tree."""
@@ -414,7 +382,7 @@ class EagleDrafter:
 
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         drafting, self.projection, self.dtype = heads_for_drafting(layer, base, products_on_kernels=True)
-        self.layer = drafting_layer(drafting, base)
+        self.layer = linears_on_kernels(drafting, base)
         self.embed = drafting_embedding(base, self.dtype)
         self.taps = layer.config.taps
         self.width, self.beam, self.depth, self.budget = width, beam, min(depth, EAGLE_DEPTH), budget

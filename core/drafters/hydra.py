@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, Proposal, check_heads, drafting_embedding, heads_for_drafting
-from core.drafters.layers import RMSNorm, read_weights, save_weights, take_draft_vocab
+from core.drafters.layers import RMSNorm, linears_on_kernels, read_weights, save_weights, take_draft_vocab
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, Growth, expand
@@ -253,7 +253,7 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         # the root's children: `width` of them; deeper, no node needs more children than the
         # next frontier can hold
         children = width if level == 1 else min(width, beam)
-        probs, ids = _children(heads, embed, projection, hidden[None].to(next(heads.parameters()).dtype),
+        probs, ids = _children(heads, embed, projection, hidden[None].to(embed.weight.dtype),  # the drafting dtype
                                paths, children)  # [B, children] each
         row = frontier.index(greedy)
         greedy_probs.append(probs[row])
@@ -281,7 +281,8 @@ class HydraDrafter:
     name = "hydra"
 
     def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
-        self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
+        drafting, self.projection, self.dtype = heads_for_drafting(heads, base)
+        self.heads = linears_on_kernels(drafting, base)  # on the exact engine, products through its kernels
         self.embed = drafting_embedding(base, self.dtype)
         self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
         # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:

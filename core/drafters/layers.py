@@ -1,14 +1,20 @@
 """Pieces the drafter families' modules share."""
 from __future__ import annotations
 
+import copy
 import json
+import weakref
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import safetensors.torch
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from core.model import BaseModel
 
 
 class RMSNorm(nn.Module):
@@ -51,3 +57,37 @@ def take_draft_vocab(state: dict[str, torch.Tensor], size: int, folder: Path) ->
     if len(draft_vocab) != size:
         raise ValueError(f"{folder}: config says {size} draft tokens, weights hold {len(draft_vocab)}")
     return draft_vocab
+
+
+class KernelLinear(nn.Module):
+    """A linear map through a kernel product (`ExactLlama.kernel_product`, bias included)."""
+
+    def __init__(self, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.product = product
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+# each module's drafting copy per base model (read-only, shared by every session)
+_ON_KERNELS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def linears_on_kernels(module: nn.Module, base: "BaseModel") -> nn.Module:
+    """`module` as a session drafts with it: on the exact engine a copy whose every nn.Linear runs
+    through the kernels with bf16 weights (half fp32's bytes, and at a few rows 2-3x faster than
+    torch's bf16 linear on a 2-core Zen 5: a [1, 576] x [2304, 576] product 0.09 -> 0.034 ms); a
+    draft only proposes, the verify decides every token. Elsewhere `module` itself."""
+    if not base.exact:
+        return module
+    copies = _ON_KERNELS.setdefault(module, {})
+    if id(base) not in copies:
+        twin = copy.deepcopy(module)
+        for name, linear in list(twin.named_modules()):
+            if isinstance(linear, nn.Linear):
+                owner, _, attribute = name.rpartition(".")
+                product = base.engine.kernel_product(linear.weight.detach().bfloat16(), linear.bias)
+                setattr(twin.get_submodule(owner), attribute, KernelLinear(product))
+        copies[id(base)] = twin
+    return copies[id(base)]
