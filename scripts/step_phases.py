@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from offline.bench import parse_strategy
@@ -40,7 +41,7 @@ def main() -> None:
     base_config = DecodeConfig(max_new_tokens=args.tokens)
     configs = {"ar": parse_strategy("ar", base_config), args.strategy: parse_strategy(args.strategy, base_config)}
     heads, _ = family(configs[args.strategy].strategy).load_weights(base)  # what the strategy drafts with
-    decode(base, heads, SHORT, DecodeConfig(max_new_tokens=8), page=PageViews(texts=False))  # warm-up
+    decode(base, heads, SHORT, replace(configs[args.strategy], max_new_tokens=8), page=PageViews(texts=False))  # warm-up
     for label, prompt in (("short", SHORT), ("long", long_prompt(args.prompts_from))):
         for name, config in configs.items():
             per_step, rates = {p: [] for p in PHASES}, []
