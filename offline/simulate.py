@@ -59,6 +59,7 @@ def sequence_states(base: BaseModel, ids: list[int]) -> VerifyOutput:
     return forward_tokens(base, cache, torch.tensor(ids), torch.arange(len(ids)))  # hidden [n, H]
 
 
+@torch.inference_mode()
 def head_proposals(base: BaseModel, heads: MedusaHeads, prompt_ids: list[int], answer_ids: list[int],
                    width: int, draft: DraftProjection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`width` head probabilities and ids at every answer position, teacher-forced (one forward):

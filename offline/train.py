@@ -37,8 +37,8 @@ from core.drafters.medusa import DEFAULT_HEADS_DIR, HeadsConfig, MedusaHeads, lo
 from core.machine import cpu_name
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
 from core.precision import default_precision, fast_bf16_batched
-from offline.simulate import head_proposals, sequence_states
 from core.verify import VerifyOutput
+from offline.simulate import head_proposals, sequence_states
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
 SECOND_SET = REPO_ROOT / "assets" / "data" / "spec_mix.jsonl"

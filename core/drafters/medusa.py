@@ -205,7 +205,7 @@ def ranked(logits: torch.Tensor, width: int, projection: DraftProjection | None)
 def ranked_prefixes(logits: torch.Tensor, rows: Sequence[int], width: int,
                     projection: DraftProjection) -> tuple[torch.Tensor, torch.Tensor]:
     """`ranked` for each head d over its own first `rows[d]` columns of logits [D, ..., V'], as one
-    top-k and one logsumexp (the columns past a head's prefix count as -inf): ([D, ..., width] x 2)."""
+    softmax and one top-k (the columns past a head's prefix count as -inf): ([D, ..., width] x 2)."""
     limits = torch.tensor(rows, device=logits.device).view(-1, *([1] * (logits.dim() - 1)))  # [D, 1...]
     outside = torch.arange(logits.shape[-1], device=logits.device) >= limits  # [D, 1..., V']
     return ranked(logits.float().masked_fill(outside, float("-inf")), width, projection)
@@ -423,7 +423,7 @@ class HeadsDrafter:
 
     name = "heads"
 
-    def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int) -> None:
+    def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int, fixed_depth: int = 0) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
         # the heads' ResBlocks through the exact engine's kernels where it runs (bf16 weights at one row:
         # 0.23 -> 0.05 ms for 4 heads' two blocks on a 2-core Zen 5), the first blocks as one product
@@ -431,7 +431,7 @@ class HeadsDrafter:
         self.products = self.heads.residual_products(make)
         self.width = width
         self.depth = depth
-        self.fixed_depth = 0  # the fixed tree's depth this drafter serves (for_session), else 0
+        self.fixed_depth = fixed_depth  # the fixed tree's depth this drafter serves (every step needs it), else 0
 
     @classmethod
     def for_session(cls, heads: object, base: BaseModel, config, fixed: CandidateTree | None = None
@@ -442,9 +442,7 @@ class HeadsDrafter:
         width = max(config.top_m, fixed.max_rank + 1 if fixed else 1)
         # `depth` bounds the dynamic tree; a fixed tree brings its own depth
         depth = max(config.depth, fixed.max_depth if fixed else 0)
-        drafter = cls(heads, base, width=width, depth=depth)
-        drafter.fixed_depth = fixed.max_depth if fixed else 0
-        return drafter
+        return cls(heads, base, width=width, depth=depth, fixed_depth=fixed.max_depth if fixed else 0)
 
     def propose(self, context: DraftContext) -> HeadProposal:
         """The first heads' top guesses: as many heads as the step's tree can reach (a tree of n nodes

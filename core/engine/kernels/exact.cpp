@@ -781,10 +781,10 @@ VNNI_TARGET inline __m512i every_lane4_512(const int8_t* p) {
 constexpr int64_t PREFETCH_BLOCKS = 2;
 
 template <int FMT, int C>
-VNNI_TARGET inline void prefetch_blocks(const Weight& w, int64_t g0, int64_t b) {
+VNNI_TARGET inline void prefetch_blocks(const Weight& w, int64_t blocks, int64_t g0, int64_t b) {
   constexpr int LINES = FMT == Q4_1 ? 4 : 8;  // a packed block of 16 columns: 256 / 512 bytes
   for (int c = 0; c < C; ++c) {
-    const char* ahead = reinterpret_cast<const char*>(w.pq) + ((g0 + c) * (w.in / QBLOCK) + b) * LINES * 64;
+    const char* ahead = reinterpret_cast<const char*>(w.pq) + ((g0 + c) * blocks + b) * LINES * 64;
     for (int line = 0; line < LINES; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
   }
 }
@@ -800,7 +800,7 @@ VNNI_TARGET void vnni_tile(const ActivationBlocks& a, int64_t row, const Weight&
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = a.q.data() + ((row + r) * blocks + b) * QBLOCK;
-    if constexpr (R >= 2) prefetch_blocks<FMT, C>(w, g0, b + PREFETCH_BLOCKS);
+    if constexpr (R >= 2) prefetch_blocks<FMT, C>(w, blocks, g0, b + PREFETCH_BLOCKS);
     __m512i isum[R][C];
     if constexpr (FMT == Q4_1) {
       for (int r = 0; r < R; ++r)
