@@ -12,7 +12,7 @@ import torch
 
 from core.decoder import DecodeConfig, decode
 from core.engine.build import load_kernels
-from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, KernelProduct, random_weight
+from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, KernelProduct, q8_0_rows, random_weight
 from core.engine.lean import LeanLlama
 from core.model import CACHE_DIR, ModelConfig, load_base_model
 from tests.tiny import greedy_reference, tiny_base, tiny_gguf_base, tiny_gguf_blocks, tiny_heads, tiny_hydra
@@ -251,10 +251,37 @@ def test_greedy_equals_plain_with_every_tiny_drafter():
         assert products and all(isinstance(p, KernelProduct) for p in products)
 
 
+def test_q8_0_rows_are_ggmls_own_blocks():
+    """A drafter's own weights rounded to Q8_0 blocks byte for byte as the gguf package (ggml's
+    reference) rounds them, zero blocks included."""
+    from gguf import GGMLQuantizationType, quants
+    weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(5)) * 0.1
+    weight[3, 32:64] = 0.0
+    theirs = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)  # [24, 102]
+    assert torch.equal(q8_0_rows(weight), torch.from_numpy(theirs))
+
+
+@needs_kernels
+def test_drafter_layers_read_8bit_blocks_and_the_draft_rows_are_the_gguf_ones(monkeypatch):
+    """On the exact engine a drafter's own layers are Q8_0 blocks times 8-bit inputs, and in a gguf mode its
+    vocabulary projection reads the GGUF's own Q8_0 embedding rows, also when it drafts in bf16 (the rows
+    are compared in the drafting precision)."""
+    import core.drafters.interface as interface
+    monkeypatch.setattr(interface, "fast_bf16_batched", lambda: True)  # draft in bf16 under fp32 activations
+    base = tiny_gguf_base("gguf-q8")
+    heads = tiny_heads(base, num_layers=2)
+    session = decode(base, heads, list(range(40, 60)), DecodeConfig(spec="dynamic:8", max_new_tokens=2))
+    drafter = session.heads_drafter
+    assert drafter.dtype == torch.bfloat16
+    assert {p.weight.format for p in drafter.projection.products.values()} == {Q8_0}
+    layers = list(drafter.products.first) + [p for head in drafter.products.later for p in head]
+    assert {p.weight.format for p in layers} == {Q8_0}
+
+
 @needs_kernels
 def test_medusa_resblocks_on_the_kernels_propose_what_torch_proposes():
-    """A heads drafter on the exact engine runs its ResBlocks through the kernels (drafts only propose,
-    so no bitwise claim): the same tokens, probabilities within bf16's rounding of torch's."""
+    """A heads drafter on the exact engine runs its ResBlocks through the kernels as 8-bit blocks (drafts
+    only propose, so no bitwise claim): the same tokens, probabilities within 8-bit rounding of torch's."""
     base = tiny_base("llama")
     heads = tiny_heads(base)
     for head in heads.heads:  # non-zero blocks: the identity would hide a wrong product
@@ -273,7 +300,7 @@ def test_medusa_resblocks_on_the_kernels_propose_what_torch_proposes():
 @needs_kernels
 def test_hydra_heads_on_the_kernels_grow_the_tree_torch_grows():
     """A Hydra drafter on the exact engine runs every linear of its heads (and prefix layer) through the
-    kernels: the same grown tree as the heads in torch, scores within bf16's rounding."""
+    kernels as 8-bit blocks: the same grown tree as the heads in torch, scores within 8-bit rounding."""
     from core.drafters.hydra import grow_tree
     from core.drafters.layers import KernelLinear
     base = tiny_base("llama")

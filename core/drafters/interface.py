@@ -18,11 +18,13 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from core.drafters.layers import DRAFTER_EIGHT_BIT
 from core.model import BaseModel
 from core.precision import fast_bf16_batched
 from core.tree import CandidateTree, dynamic_tree
@@ -64,8 +66,10 @@ def heads_for_drafting(heads: nn.Module, base: BaseModel, *, products_on_kernels
         if projection is not None and base.engine is not None:
             # heads that project once onto their widest rows (Medusa's) or every depth onto its own (Hydra's)
             rows = (projection.widest_rows,) if heads.projects_once else ()
-            # on the exact engine, through its kernels: the GGUF's Q8_0 rows (gguf) or bf16 ones
-            projection = (projection.with_products(base.engine.draft_product, rows) if base.exact
+            # on the exact engine, through its kernels: the GGUF's Q8_0 rows or the rows rounded to Q8_0,
+            # times 8-bit inputs (`core.drafters.layers.DRAFTER_EIGHT_BIT`)
+            projection = (projection.with_products(partial(base.engine.draft_product, eight_bit=DRAFTER_EIGHT_BIT),
+                                                   rows) if base.exact
                           else projection.with_measured_kernels(rows))
         drafting_heads = heads if next(heads.parameters()).dtype == dtype else copy.deepcopy(heads).to(dtype)
         cast[dtype] = (drafting_heads, projection)
@@ -79,7 +83,14 @@ def drafting_embedding(base: BaseModel, dtype: torch.dtype) -> nn.Embedding:
     embed = base.model.get_input_embeddings()
     if embed.weight.dtype == dtype:
         return embed
-    return nn.Embedding.from_pretrained(embed.weight.to(dtype), freeze=True)
+    copies = _EMBEDDINGS.setdefault(embed, {})  # one copy per precision, not one per session (14 ms each)
+    if dtype not in copies:
+        copies[dtype] = nn.Embedding.from_pretrained(embed.weight.to(dtype), freeze=True)
+    return copies[dtype]
+
+
+# the base model's embedding cast once per drafting precision (read-only, shared by every session)
+_EMBEDDINGS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def check_heads(heads: object, kind: type, name: str, config) -> None:

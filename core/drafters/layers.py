@@ -70,6 +70,18 @@ class KernelLinear(nn.Module):
         return self.product(x)
 
 
+DRAFTER_EIGHT_BIT = True  # drafters' own layers on the exact engine as Q8_0 blocks (`drafter_product`)
+
+
+def drafter_product(base: "BaseModel", weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x @ weight.T (+ bias)` of a drafter's own layer through the exact engine's kernels: Q8_0 blocks
+    times 8-bit inputs (`DRAFTER_EIGHT_BIT`), else bf16 weights. Why: a step's drafting reads every
+    drafter weight cold (the verify before it streamed the base model through the caches), so bytes
+    are time; a draft only proposes, the verify decides every token."""
+    return base.engine.kernel_product(weight.bfloat16(), bias, eight_bit=DRAFTER_EIGHT_BIT)
+
+
 # each module's drafting copy per base model (read-only, shared by every session)
 _ON_KERNELS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -87,7 +99,7 @@ def linears_on_kernels(module: nn.Module, base: "BaseModel") -> nn.Module:
         for name, linear in list(twin.named_modules()):
             if isinstance(linear, nn.Linear):
                 owner, _, attribute = name.rpartition(".")
-                product = base.engine.kernel_product(linear.weight.detach().bfloat16(), linear.bias)
+                product = drafter_product(base, linear.weight.detach(), linear.bias)
                 setattr(twin.get_submodule(owner), attribute, KernelLinear(product))
         copies[id(base)] = twin
     return copies[id(base)]

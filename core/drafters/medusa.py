@@ -20,7 +20,9 @@ in the cache across the depths of a step while 16k rows stream from memory each 
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Collection, Sequence
 
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, HeadProposal, check_heads, heads_for_drafting
-from core.drafters.layers import read_weights, save_weights, take_draft_vocab
+from core.drafters.layers import drafter_product, read_weights, save_weights, take_draft_vocab
 from core.engine import Matmul, fastest, median_ms, time_kernels
 from core.model import REPO_ROOT, BaseModel, linear_rows
 from core.strategy import MAX_TOP_M
@@ -418,6 +420,22 @@ def shipped_heads(base: BaseModel) -> tuple[MedusaHeads, str]:
     return default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)
 
 
+# each drafting copy's ResBlock products per base model (built once: quantising them takes ~10 ms)
+_PRODUCTS: "weakref.WeakKeyDictionary[MedusaHeads, dict]" = weakref.WeakKeyDictionary()
+
+
+def kernel_residual_products(heads: MedusaHeads, base: BaseModel) -> ResidualProducts | None:
+    """`heads.residual_products` as a session drafts with them: on the exact engine through its kernels
+    (`core.drafters.layers.drafter_product`: Q8_0 blocks; 4 heads' two blocks at one row 0.23 ms in torch's
+    bf16, 0.05 in the kernels' bf16, warm, on a 2-core Zen 5), elsewhere torch's linear."""
+    if not base.exact:
+        return heads.residual_products()
+    built = _PRODUCTS.setdefault(heads, {})
+    if id(base) not in built:
+        built[id(base)] = heads.residual_products(partial(drafter_product, base))
+    return built[id(base)]
+
+
 class HeadsDrafter:
     """Medusa heads: head k guesses token t+k+1 from the hidden state at t alone."""
 
@@ -425,10 +443,7 @@ class HeadsDrafter:
 
     def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int, fixed_depth: int = 0) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
-        # the heads' ResBlocks through the exact engine's kernels where it runs (bf16 weights at one row:
-        # 0.23 -> 0.05 ms for 4 heads' two blocks on a 2-core Zen 5), the first blocks as one product
-        make = base.engine.kernel_product if base.exact else None
-        self.products = self.heads.residual_products(make)
+        self.products = kernel_residual_products(self.heads, base)
         self.width = width
         self.depth = depth
         self.fixed_depth = fixed_depth  # the fixed tree's depth this drafter serves (every step needs it), else 0

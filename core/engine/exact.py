@@ -38,6 +38,7 @@ GGUF_MODES = ("gguf", GGUF_Q8)  # the modes that read the GGUF's blocks
 F32, BF16, Q8_0, Q4_1 = 0, 1, 2, 3  # weight formats of kernels/exact.cpp
 GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_1": Q4_1}
 LANES = 16  # the kernels' vector width: every product width must be a multiple
+QBLOCK = 32  # numbers per quantised block (Q8_0, Q4_1)
 
 
 def exact_unsupported_reason(lean: LeanLlama) -> str | None:
@@ -284,28 +285,50 @@ class ExactLlama(OnLeanForward):
         logits = self.model.project(hidden.reshape(-1, hidden.shape[-1]))  # [rows, V]
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
-    def draft_product(self, weight: torch.Tensor, token_ids: torch.Tensor | None) -> "KernelProduct":
-        """`x @ weight.T` through the kernels for a drafter's vocabulary projection (rows of the tied
-        embedding: `token_ids`, or the first rows when None). Drafts only propose, so bytes matter
-        here, not exactness: the GGUF's own Q8_0 rows in gguf mode (a quarter of fp32's bytes), bf16
-        elsewhere."""
+    def draft_product(self, weight: torch.Tensor, token_ids: torch.Tensor | None, *,
+                      eight_bit: bool = False) -> "KernelProduct":
+        """`x @ weight.T` through the kernels for a drafter's vocabulary projection (rows of the lm_head:
+        `token_ids`, or the first rows when None). Drafts only propose, so bytes matter here, not
+        exactness: in a gguf mode the GGUF's own rows of the lm_head (Q8_0: a quarter of fp32's bytes),
+        else `kernel_product`'s. `eight_bit`: 8-bit inputs times those blocks (or Q8_0 rows of `weight`)."""
         rows, width = weight.shape
-        raw = self.raw_rows.get("token_embd.weight")
         ids = token_ids[:rows] if token_ids is not None else torch.arange(rows)
-        if raw is not None and torch.equal(weight[:4].float(), self.lean.embed[ids[:4]].float()):
-            fmt, blocks = raw
-            return KernelProduct(self.kernels, self.kernels.Weight(fmt, torch.from_numpy(blocks[ids.numpy()]), rows, width,
-                                                                   int8_activations=self.int8_activations))
-        return KernelProduct(self.kernels, self.kernels.Weight(BF16, weight.detach().bfloat16().contiguous(), rows,
-                                                           width))
+        blocks = self._lm_head_blocks(weight, ids)
+        if blocks is not None:
+            fmt, raw = blocks
+            int8 = self.int8_activations or (eight_bit and self.vector_int8)
+            return KernelProduct(self.kernels, self.kernels.Weight(fmt, torch.from_numpy(raw[ids.numpy()]), rows, width,
+                                                                   int8_activations=int8))
+        return self.kernel_product(weight.bfloat16(), eight_bit=eight_bit)
 
-    def kernel_product(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "KernelProduct":
+    def _lm_head_blocks(self, weight: torch.Tensor, ids: torch.Tensor) -> tuple[int, np.ndarray] | None:
+        """The GGUF's blocks of the lm_head (its own, or the tied embedding's), when `weight` holds the
+        lm_head's rows `ids` (compared in the drafting precision the caller cast them to); else None."""
+        for name in ("output.weight", "token_embd.weight"):
+            raw = self.raw_rows.get(name)
+            if raw is not None and torch.equal(weight[:4], self.lean.lm_head.weight[ids[:4]].to(weight.dtype)):
+                return raw
+        return None
+
+    @property
+    def vector_int8(self) -> bool:
+        """Whether this CPU has a vector 8-bit product (AVX2 or AVX512-VNNI), not the scalar one alone."""
+        return len(self.kernels.int8_paths()) > 1
+
+    def kernel_product(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       eight_bit: bool = False) -> "KernelProduct":
         """`x @ weight.T (+ bias)` through the kernels for a drafter's own layer (weight [out, in], fp32 or
-        bf16; the bias added in fp32 before the result takes x's precision)."""
+        bf16; the bias added in fp32 before the result takes x's precision). `eight_bit`: the weight as
+        Q8_0 blocks times 8-bit inputs (`q8_0_rows`; a quarter of fp32's bytes, half of bf16's), where
+        its width is whole blocks and the CPU has a vector 8-bit product: drafts only propose, the
+        verify decides every token."""
+        bias = None if bias is None else bias.detach().float().contiguous()
+        if eight_bit and weight.shape[1] % QBLOCK == 0 and self.vector_int8:
+            return KernelProduct(self.kernels, self.kernels.Weight(Q8_0, q8_0_rows(weight), weight.shape[0],
+                                                                   weight.shape[1], bias, int8_activations=True))
         data = weight.detach().contiguous()
         fmt = BF16 if data.dtype == torch.bfloat16 else F32
         data = data if fmt == BF16 else data.float().contiguous()
-        bias = None if bias is None else bias.detach().float().contiguous()
         return KernelProduct(self.kernels, self.kernels.Weight(fmt, data, data.shape[0], data.shape[1], bias))
 
     def describe(self) -> str:
@@ -314,6 +337,20 @@ class ExactLlama(OnLeanForward):
         fallback = f"; fp32 for {len(self.quantized_fallbacks)} weights" if self.quantized_fallbacks else ""
         int8 = f", 8-bit products {self.kernels.int8_path().removeprefix('auto: ')}" if self.mode == "gguf-q8" else ""
         return f"exact kernels ({self.kernels.ISA}{int8}), {self.mode}: {read}{fallback}"
+
+
+def q8_0_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] (in a multiple of 32) as GGUF Q8_0 rows [out, in / 32 * 34] uint8, as ggml
+    rounds them: per block of 32 numbers an fp16 scale d = max |x| / 127, then the 32 int8 x * (1 / d)
+    rounded half away from zero."""
+    out, width = weight.shape
+    values = weight.detach().float().reshape(out, width // QBLOCK, QBLOCK)  # [out, blocks, 32]
+    scale = values.abs().amax(dim=-1, keepdim=True) / 127  # [out, blocks, 1]
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    scaled = values * inverse
+    quants = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)  # [out, blocks, 32]
+    scale_bytes = scale.half().view(torch.uint8)  # [out, blocks, 2]
+    return torch.cat([scale_bytes, quants.view(torch.uint8)], dim=-1).reshape(out, -1).contiguous()
 
 
 def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator: torch.Generator,

@@ -274,14 +274,17 @@ class GpuExactLlama(OnLeanForward):
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
     # -- drafters' products ---------------------------------------------------------------------
-    def draft_product(self, weight: torch.Tensor, token_ids: torch.Tensor | None) -> "TorchProduct":
-        """A drafter's vocabulary projection (rows of the tied embedding): drafts only propose, so
-        the library's bf16 product serves (tensor cores), not the exact kernels."""
+    def draft_product(self, weight: torch.Tensor, token_ids: torch.Tensor | None, *,
+                      eight_bit: bool = False) -> "TorchProduct":
+        """A drafter's vocabulary projection (rows of the lm_head): drafts only propose, so the library's
+        bf16 product serves (tensor cores), not the exact kernels (`eight_bit` is the CPU kernels' choice)."""
         return TorchProduct(weight)
 
-    def kernel_product(self, weight: torch.Tensor) -> "TorchProduct":
-        """A drafter's own layer's product (weight [out, in]) in bf16 through the library."""
-        return TorchProduct(weight)
+    def kernel_product(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       eight_bit: bool = False) -> "TorchProduct":
+        """A drafter's own layer's product (weight [out, in], bias [out]) in bf16 through the library
+        (`eight_bit` is the CPU kernels' choice; tensor cores read bf16 here)."""
+        return TorchProduct(weight, bias)
 
     def describe(self) -> str:
         """One line for the page and the benchmark: the mode and what its products read."""
@@ -293,8 +296,9 @@ class GpuExactLlama(OnLeanForward):
 class TorchProduct:
     """`x @ weight.T` by the library in bf16 (any leading shape; returned in x's precision)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().bfloat16().contiguous()  # [out, in]
+        self.bias = None if bias is None else bias.detach().to(device=self.weight.device, dtype=torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(device=self.weight.device, dtype=torch.bfloat16), self.weight).to(x.dtype)
+        return F.linear(x.to(device=self.weight.device, dtype=torch.bfloat16), self.weight, self.bias).to(x.dtype)
