@@ -16,7 +16,6 @@ step each drafter `observe`s what was accepted, to sharpen its estimates.
 from __future__ import annotations
 
 import copy
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, Sequence
@@ -24,7 +23,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import nn
 
-from core.drafters.layers import DRAFTER_EIGHT_BIT
+from core.drafters.layers import DRAFTER_EIGHT_BIT, BuiltOnce
 from core.model import BaseModel
 from core.precision import fast_bf16_batched
 from core.tree import CandidateTree, dynamic_tree
@@ -47,34 +46,36 @@ def drafting_dtype(base: BaseModel, *, products_on_kernels: bool = False) -> tor
     return base.dtype
 
 
-# heads and their projection cast once per precision (read-only, shared by every session)
-_CAST: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CAST = BuiltOnce()  # heads and their projection per drafting precision and base model
 
 
 def heads_for_drafting(heads: nn.Module, base: BaseModel, *, products_on_kernels: bool = False
                        ) -> tuple[nn.Module, Any, torch.dtype]:
     """`heads` in the drafting precision (`drafting_dtype`) with their draft projection (a
     `core.drafters.medusa.DraftProjection`, built by the heads' own `draft_projection`; None: their own
-    lm_head). Any heads with a `config` and `projects_once` serve: the interface knows no family."""
+    lm_head). Any heads with a `config` and `projects_once` serve: the interface knows no family.
+    Built once per precision and base model, shared by every session."""
     dtype = drafting_dtype(base, products_on_kernels=products_on_kernels)
-    cast = _CAST.setdefault(heads, {})
-    if dtype not in cast:
-        own = getattr(heads.config, "own_lm_head", False)
-        projection = None if own else heads.draft_projection(base.lm_head)
-        if projection is not None and projection.weight.dtype != dtype:
-            projection = projection.to(dtype)
-        if projection is not None and base.engine is not None:
-            # heads that project once onto their widest rows (Medusa's) or every depth onto its own (Hydra's)
-            rows = (projection.widest_rows,) if heads.projects_once else ()
-            # on the exact engine, through its kernels: the GGUF's Q8_0 rows or the rows rounded to Q8_0,
-            # times 8-bit inputs (`core.drafters.layers.DRAFTER_EIGHT_BIT`)
-            projection = (projection.with_products(partial(base.engine.draft_product, eight_bit=DRAFTER_EIGHT_BIT),
-                                                   rows) if base.exact
-                          else projection.with_measured_kernels(rows))
-        drafting_heads = heads if next(heads.parameters()).dtype == dtype else copy.deepcopy(heads).to(dtype)
-        cast[dtype] = (drafting_heads, projection)
-    drafting, projection = cast[dtype]
+    drafting, projection = _CAST.get(heads, (dtype, id(base)), lambda: _cast(heads, base, dtype))
     return drafting, projection, dtype
+
+
+def _cast(heads: nn.Module, base: BaseModel, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """`heads` in `dtype` (a copy where they differ) and their projection, with its products."""
+    own = getattr(heads.config, "own_lm_head", False)
+    projection = None if own else heads.draft_projection(base.lm_head)
+    if projection is not None and projection.weight.dtype != dtype:
+        projection = projection.to(dtype)
+    if projection is not None and base.engine is not None:
+        # heads that project once onto their widest rows (Medusa's) or every depth onto its own (Hydra's)
+        rows = (projection.widest_rows,) if heads.projects_once else ()
+        # on the exact engine, through its kernels: the GGUF's Q8_0 rows or the rows rounded to Q8_0,
+        # times 8-bit inputs (`core.drafters.layers.DRAFTER_EIGHT_BIT`)
+        projection = (projection.with_products(partial(base.engine.draft_product, eight_bit=DRAFTER_EIGHT_BIT),
+                                               rows) if base.exact
+                      else projection.with_measured_kernels(rows))
+    drafting_heads = heads if next(heads.parameters()).dtype == dtype else copy.deepcopy(heads).to(dtype)
+    return drafting_heads, projection
 
 
 def drafting_embedding(base: BaseModel, dtype: torch.dtype) -> nn.Embedding:
@@ -83,14 +84,11 @@ def drafting_embedding(base: BaseModel, dtype: torch.dtype) -> nn.Embedding:
     embed = base.model.get_input_embeddings()
     if embed.weight.dtype == dtype:
         return embed
-    copies = _EMBEDDINGS.setdefault(embed, {})  # one copy per precision, not one per session (14 ms each)
-    if dtype not in copies:
-        copies[dtype] = nn.Embedding.from_pretrained(embed.weight.to(dtype), freeze=True)
-    return copies[dtype]
+    # one copy per precision, not one per session (14 ms each)
+    return _EMBEDDINGS.get(embed, dtype, lambda: nn.Embedding.from_pretrained(embed.weight.to(dtype), freeze=True))
 
 
-# the base model's embedding cast once per drafting precision (read-only, shared by every session)
-_EMBEDDINGS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_EMBEDDINGS = BuiltOnce()  # the base model's embedding per drafting precision
 
 
 def check_heads(heads: object, kind: type, name: str, config) -> None:

@@ -6,7 +6,7 @@ import json
 import weakref
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
 
 import safetensors.torch
 import torch
@@ -15,6 +15,8 @@ from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from core.model import BaseModel
+
+T = TypeVar("T")
 
 
 class RMSNorm(nn.Module):
@@ -82,24 +84,40 @@ def drafter_product(base: "BaseModel", weight: torch.Tensor, bias: torch.Tensor 
     return base.engine.kernel_product(weight.bfloat16(), bias, eight_bit=DRAFTER_EIGHT_BIT)
 
 
-# each module's drafting copy per base model (read-only, shared by every session)
-_ON_KERNELS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+class BuiltOnce:
+    """What sessions build from a read-only module (a drafting copy, its products, a cast), built the
+    first time per key (a precision, a base model) and shared after; the module is held weakly, so
+    what was built from it goes with it."""
+
+    def __init__(self) -> None:
+        self._built: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+    def get(self, module: nn.Module, key: Hashable, build: Callable[[], T]) -> T:
+        """`build()`'s result for (`module`, `key`): built on the first call, the same object after."""
+        built = self._built.setdefault(module, {})
+        if key not in built:
+            built[key] = build()
+        return built[key]
+
+
+_ON_KERNELS = BuiltOnce()  # each module's drafting copy per base model
 
 
 def linears_on_kernels(module: nn.Module, base: "BaseModel") -> nn.Module:
     """`module` as a session drafts with it: on the exact engine a copy whose every nn.Linear runs
-    through the kernels with bf16 weights (half fp32's bytes, and at a few rows 2-3x faster than
-    torch's bf16 linear on a 2-core Zen 5: a [1, 576] x [2304, 576] product 0.09 -> 0.034 ms); a
-    draft only proposes, the verify decides every token. Elsewhere `module` itself."""
+    through the kernels (`drafter_product`: Q8_0 blocks times 8-bit inputs); a draft only proposes,
+    the verify decides every token. Elsewhere `module` itself."""
     if not base.exact:
         return module
-    copies = _ON_KERNELS.setdefault(module, {})
-    if id(base) not in copies:
-        twin = copy.deepcopy(module)
-        for name, linear in list(twin.named_modules()):
-            if isinstance(linear, nn.Linear):
-                owner, _, attribute = name.rpartition(".")
-                product = drafter_product(base, linear.weight.detach(), linear.bias)
-                setattr(twin.get_submodule(owner), attribute, KernelLinear(product))
-        copies[id(base)] = twin
-    return copies[id(base)]
+    return _ON_KERNELS.get(module, id(base), lambda: _kernel_twin(module, base))
+
+
+def _kernel_twin(module: nn.Module, base: "BaseModel") -> nn.Module:
+    """A copy of `module` with every nn.Linear a `KernelLinear` over `drafter_product`."""
+    twin = copy.deepcopy(module)
+    for name, linear in list(twin.named_modules()):
+        if isinstance(linear, nn.Linear):
+            owner, _, attribute = name.rpartition(".")
+            product = drafter_product(base, linear.weight.detach(), linear.bias)
+            setattr(twin.get_submodule(owner), attribute, KernelLinear(product))
+    return twin

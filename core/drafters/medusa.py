@@ -22,7 +22,6 @@ for about 0.3 ms less drafting a step on a 2-core Zen 5 (docs/RESULTS.md).
 from __future__ import annotations
 
 import re
-import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, HeadProposal, check_heads, heads_for_drafting
-from core.drafters.layers import drafter_product, read_weights, save_weights, take_draft_vocab
+from core.drafters.layers import BuiltOnce, drafter_product, read_weights, save_weights, take_draft_vocab
 from core.engine import Matmul, fastest, median_ms, time_kernels
 from core.model import REPO_ROOT, BaseModel, linear_rows
 from core.strategy import MAX_TOP_M
@@ -422,8 +421,7 @@ def shipped_heads(base: BaseModel) -> tuple[MedusaHeads, str]:
     return default_heads(config.hidden_size, config.vocab_size, dtype=base.dtype, device=base.device)
 
 
-# each drafting copy's ResBlock products per base model (built once: quantising them takes ~10 ms)
-_PRODUCTS: "weakref.WeakKeyDictionary[MedusaHeads, dict]" = weakref.WeakKeyDictionary()
+_PRODUCTS = BuiltOnce()  # each drafting copy's ResBlock products per base model (quantising them takes ~10 ms)
 
 
 def kernel_residual_products(heads: MedusaHeads, base: BaseModel) -> ResidualProducts | None:
@@ -432,10 +430,7 @@ def kernel_residual_products(heads: MedusaHeads, base: BaseModel) -> ResidualPro
     bf16, 0.05 in the kernels' bf16, warm, on a 2-core Zen 5), elsewhere torch's linear."""
     if not base.exact:
         return heads.residual_products()
-    built = _PRODUCTS.setdefault(heads, {})
-    if id(base) not in built:
-        built[id(base)] = heads.residual_products(partial(drafter_product, base))
-    return built[id(base)]
+    return _PRODUCTS.get(heads, id(base), lambda: heads.residual_products(partial(drafter_product, base)))
 
 
 class HeadsDrafter:
