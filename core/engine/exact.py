@@ -302,13 +302,15 @@ class ExactLlama(OnLeanForward):
         return self.kernel_product(weight.bfloat16(), eight_bit=eight_bit)
 
     def _lm_head_blocks(self, weight: torch.Tensor, ids: torch.Tensor) -> tuple[int, np.ndarray] | None:
-        """The GGUF's blocks of the lm_head (its own, or the tied embedding's), when `weight` holds the
-        lm_head's rows `ids` (compared in the drafting precision the caller cast them to); else None."""
-        for name in ("output.weight", "token_embd.weight"):
-            raw = self.raw_rows.get(name)
-            if raw is not None and torch.equal(weight[:4], self.lean.lm_head.weight[ids[:4]].to(weight.dtype)):
-                return raw
-        return None
+        """The GGUF's blocks of the lm_head (the tied embedding's, or its own `output.weight`), when
+        `weight` holds the lm_head's rows `ids` (compared in the drafting precision the caller cast them
+        to); else None."""
+        head = self.lean.lm_head.weight
+        tied = head.data_ptr() == self.lean.embed.data_ptr()
+        raw = self.raw_rows.get("token_embd.weight" if tied else "output.weight")
+        if raw is None or not torch.equal(weight[:4], head[ids[:4]].to(weight.dtype)):
+            return None
+        return raw
 
     @property
     def vector_int8(self) -> bool:
@@ -363,7 +365,7 @@ def random_weight(kernels: ModuleType, fmt: int, out: int, width: int, generator
         return kernels.Weight(F32, values, out, width)
     if fmt == BF16:
         return kernels.Weight(BF16, values.bfloat16(), out, width)
-    blocks = out * width // 32
+    blocks = out * width // QBLOCK
     scale = torch.full((blocks, 1), 0.01, dtype=torch.float16).view(torch.uint8)  # [blocks, 2]
     if fmt == Q8_0:
         quants = torch.randint(-127, 128, (blocks, 32), generator=generator, dtype=torch.int8).view(torch.uint8)
