@@ -259,8 +259,12 @@ def _click_times(page) -> list[float]:
 
 def test_stop_leaves_nothing_queued_and_revisit_takes_enter(page):
     stamps = _click_times(page)  # Step, Run and Stop send their click time: Stop drops older clicks
-    page.get_by_label("Prompt", exact=True).fill("Count from 1 to 200, one number per line.")
-    _set_number(page, "max-new", 300)
+    # plain fp32 steps (~10 ms each, one token) on a prompt whose greedy answer outlasts 1,024 tokens: the run
+    # is still going when Stop lands (a counting prompt ended at 122 tokens, sometimes before Stop)
+    page.get_by_label("autoregressive", exact=True).check()
+    page.get_by_label("fp32", exact=True).check()
+    page.get_by_label("Prompt", exact=True).fill("Write a 2000-word essay on the history of Rome.")
+    _set_number(page, "max-new", 1024)
     page.locator("#start-btn").click()
     page.wait_for_function("() => document.querySelector('#stats').textContent.includes('ready: press Step')",
                            timeout=UI_TIMEOUT_MS)  # not "running" while it waits for Step
