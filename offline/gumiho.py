@@ -26,9 +26,10 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from core.drafters.eagle import EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleLayer, default_eagle, grow_eagle_nodes
+from core.drafters.eagle import EAGLE_BEAM, EAGLE_DEPTH, EagleLayer, default_eagle, grow_eagle_nodes
 from core.drafters.grown import GrownNode, Growth, accepted_depth, grow_parallel
 from core.drafters.interface import heads_for_drafting
+from core.drafters.layers import KVRows
 from core.drafters.medusa import DEFAULT_HEADS_DIR, MedusaHeads, load_heads
 from core.machine import cpu_name
 from core.model import BaseModel, ModelConfig, load_base_model
@@ -80,7 +81,7 @@ def answer_tokens_per_step(layer: EagleLayer, base: BaseModel, heads: MedusaHead
             i, steps, emitted = 0, 0, 0
             while i < len(answer) - 1:
                 if i not in growth_at:  # EAGLE's nodes from the cache as decoding holds it at position i
-                    at_i = EagleCache(keys=cache.keys[:, :i + 1], values=cache.values[:, :i + 1])
+                    at_i = KVRows(keys=cache.keys[:, :i + 1], values=cache.values[:, :i + 1])
                     growth_at[i] = grow_eagle_nodes(layer, embed, projection, at_i, outputs[i], budget=max(budgets),
                                                     width=WIDTH, beam=EAGLE_BEAM, depth=EAGLE_DEPTH)
                 growth = growth_at[i]

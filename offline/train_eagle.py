@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.drafters.eagle import (EAGLE_BEAM, EAGLE_DEPTH, EagleCache, EagleConfig, EagleLayer, eagle_taps,
+from core.drafters.eagle import (EAGLE_BEAM, EAGLE_DEPTH, EagleConfig, EagleLayer, eagle_taps,
                                  grow_eagle_tree, init_from_base, load_eagle)
 from core.drafters.grown import GrownTree, accepted_depth, cut_grown
+from core.drafters.layers import KVRows
 from core.families import EAGLE
 from core.strategy import StrategySpec
 from core.drafters.medusa import DraftProjection
@@ -181,7 +182,7 @@ def eagle_tokens_per_step(layer: EagleLayer, base: BaseModel, features: FusedFea
             i, steps, emitted = 0, 0, 0
             while i < len(answer) - 1:
                 if i not in grown_at:  # the cache as decoding holds it at answer position i
-                    at_i = EagleCache(keys=cache.keys[:, :i + 1], values=cache.values[:, :i + 1])
+                    at_i = KVRows(keys=cache.keys[:, :i + 1], values=cache.values[:, :i + 1])
                     grown_at[i] = grow_eagle_tree(layer, embed, projection, at_i, outputs[i], budget=max(budgets),
                                                   width=WIDTH, beam=EAGLE_BEAM, depth=EAGLE_DEPTH)
                 accepted = accepted_depth(cut_grown(grown_at[i], budget), answer, i)

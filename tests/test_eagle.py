@@ -65,6 +65,10 @@ def test_a_cache_extended_step_by_step_equals_one_pass():
     rest, cache = layer.extend(cache, features[4:], embeds[4:])
     assert cache.length == 9
     assert torch.allclose(torch.cat([first, rest]), whole, atol=1e-12)
+    last, last_cache = layer.extend(None, features[:4], embeds[:4], last_only=True)  # what drafting reads
+    last, last_cache = layer.extend(last_cache, features[4:], embeds[4:], last_only=True)
+    assert last.shape == (1, 32) and torch.allclose(last, whole[-1:], atol=1e-12)
+    assert torch.equal(last_cache.keys, cache.keys) and torch.equal(last_cache.values, cache.values)
 
 
 @pytest.mark.parametrize("engine", ["exact", "lean", "hf"])

@@ -311,10 +311,26 @@ def test_hydra_heads_on_the_kernels_grow_the_tree_torch_grows():
     assert not linears and any(isinstance(m, KernelLinear) for m in drafter.heads.modules())
     torch_heads = hydra.to(drafter.dtype)
     hidden = torch.randn(base.model.config.hidden_size).to(drafter.dtype)
-    grown = [grow_tree(heads, drafter.embed, drafter.projection, hidden, 7, budget=8, width=4, beam=4, depth=3)
-             for heads in (drafter.heads, torch_heads)]
-    assert torch.equal(grown[0].token_table, grown[1].token_table) and grown[0].tree.paths == grown[1].tree.paths
-    assert torch.allclose(torch.tensor(grown[0].tree.scores), torch.tensor(grown[1].tree.scores), atol=2e-2)
+    assert drafter.native is not None  # each depth one native call, and the prefix layer's step
+    grown = [grow_tree(heads, drafter.embed, drafter.projection, hidden, 7, budget=8, width=4, beam=4, depth=3,
+                       native=native) for heads, native in ((drafter.heads, None), (torch_heads, None),
+                                                            (drafter.heads, drafter.native))]
+    for other in grown[1:]:
+        assert torch.equal(grown[0].token_table, other.token_table) and grown[0].tree.paths == other.tree.paths
+        assert torch.allclose(torch.tensor(grown[0].tree.scores), torch.tensor(other.tree.scores), atol=2e-2)
+    paths = torch.tensor([[7, 9], [7, 11], [7, 3]])
+    embeds = drafter.embed(paths).float()  # [3, 2, H]
+    probs, rows = drafter.native.children(2, hidden.float(), embeds, 4)  # [3, 4] each
+    logits = drafter.projection.logits(drafter.heads.head_state(2, hidden.float().expand(3, -1), embeds), 2)
+    expected = torch.softmax(logits, dim=-1).topk(4)  # the same products in fp32, torch's glue
+    assert torch.equal(rows, expected.indices) and torch.allclose(probs, expected.values, atol=1e-5, rtol=1e-4)
+    states = torch.randn(7, base.model.config.hidden_size)  # fp32: the native step's arithmetic, torch's order
+    cache = native_cache = None
+    for start, end in ((0, 1), (1, 4), (4, 7)):
+        last, cache = drafter.heads.prefix.extend(cache, states[start:end], last_only=True)
+        native_last, native_cache = drafter.heads.prefix.native_extend(native_cache, states[start:end])
+        assert torch.allclose(native_last, last, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(native_cache.keys, cache.keys, atol=1e-5) and native_cache.length == end
 
 
 @needs_kernels

@@ -346,3 +346,26 @@ def test_a_draft_limit_grows_the_full_trees_best_nodes(base, limit):
     assert limited.tree.num_nodes == limit
     assert _node_tokens(limited) == _node_tokens(full)[:limit]
     assert limited.token_ids.shape[0] == min(4, limit)  # depths beyond the limit are not asked
+
+
+def test_prefix_layer_last_only_is_the_last_output_and_forks_keep_their_cache(base):
+    """Drafting reads the last position's output alone (`last_only`): the same as the full extension's
+    last row, the same cache; a cache another fork has appended past stays as it was, and extending
+    it again gives what extending it the first time gave."""
+    prefix = tiny_hydra(base, prefix_layer=True).prefix
+    hidden = torch.randn(9, base.model.config.hidden_size)
+    cache = None
+    for start, end in ((0, 3), (3, 4), (4, 6)):
+        full, full_cache = prefix.extend(cache, hidden[start:end])
+        last, cache = prefix.extend(cache, hidden[start:end], last_only=True)
+        assert last.shape == (1, hidden.shape[1]) and torch.allclose(last, full[-1:], atol=1e-5)
+        assert torch.equal(cache.keys, full_cache.keys) and torch.equal(cache.values, full_cache.values)
+    kept_keys = cache.keys.clone()
+    one, one_cache = prefix.extend(cache, hidden[6:7], last_only=True)  # one fork goes on ...
+    other, other_cache = prefix.extend(cache, hidden[7:9], last_only=True)  # ... another from the same place
+    assert torch.equal(cache.keys, kept_keys) and cache.length == 6
+    again, again_cache = prefix.extend(cache, hidden[6:7], last_only=True)
+    assert torch.equal(again, one) and torch.equal(again_cache.keys, one_cache.keys)
+    assert other_cache.length == 8 and torch.equal(other_cache.keys[:, :6], kept_keys)
+    whole = prefix(hidden[None, :6])[0]
+    assert torch.allclose(prefix.extend(None, hidden[:6], last_only=True)[0], whole[-1:], atol=1e-5)

@@ -25,9 +25,9 @@ projections' cost (a 16- or 64-node propose about a fifth cheaper on a 2-core EP
 tokens per step (30 held-out MT-Bench answers: 1.98 / 2.10 / 2.23 at 16 / 32 /
 64 nodes against 1.97 / 2.10 / 2.23 with all 8,192 rows; 1,024 rows lost .02 at 32 nodes).
 
-The layer's keys and values over the accepted positions are kept per session (`EagleCache`, a new
-one per extension: a fork shares the old); a rejected draft node never enters it, so nothing is
-rolled back.
+The layer's keys and values over the accepted positions are kept per session
+(`core.drafters.layers.KVRows`, a new one per extension: a fork shares the old); a rejected draft
+node never enters it, so nothing is rolled back.
 
 On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle") and
 `layer.safetensors` (the module's state dict, `draft_vocab` among it).
@@ -44,7 +44,7 @@ from torch.nn import functional as F
 
 from core.drafters.grown import GrownNode, GrownTree, Growth, deeper_could_enter, expand
 from core.drafters.interface import drafting_embedding, heads_for_drafting
-from core.drafters.layers import RMSNorm, linears_on_kernels, read_weights, save_weights
+from core.drafters.layers import KVRows, RMSNorm, appended, linears_on_kernels, read_weights, save_weights
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
 
@@ -85,18 +85,6 @@ class EagleConfig:
         object.__setattr__(self, "taps", tuple(self.taps))
         if self.num_heads % self.kv_heads:
             raise ValueError(f"{self.num_heads} attention heads do not share {self.kv_heads} key/value heads evenly")
-
-
-@dataclass(frozen=True)
-class EagleCache:
-    """The draft layer's keys and values over the accepted positions ([kv_heads, n, d] each)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[1]
 
 
 class EagleLayer(nn.Module):
@@ -161,22 +149,24 @@ class EagleLayer(nn.Module):
         return kv.repeat_interleave(self.config.num_heads // self.config.kv_heads, dim=-3)
 
     # -- decoding -----------------------------------------------------------------------------------
-    def extend(self, cache: EagleCache | None, features: torch.Tensor, next_embeds: torch.Tensor
-               ) -> tuple[torch.Tensor, EagleCache]:
+    def extend(self, cache: KVRows | None, features: torch.Tensor, next_embeds: torch.Tensor, *,
+               last_only: bool = False) -> tuple[torch.Tensor, KVRows]:
         """Accepted positions (features [n, 3H], embeddings of the tokens after them [n, H]) after
-        `cache` -> (their output states [n, H], the longer cache)."""
+        `cache` -> (their output states [n, H], the longer cache). `last_only`: the last position's
+        state alone ([1, H]; every position's keys and values still enter the cache), what drafting reads."""
         start = cache.length if cache is not None else 0
         x = self.fused(features)  # [n, H]
         positions = torch.arange(start, start + x.shape[0], device=x.device)
         q, k, v = self._qkv(x, next_embeds, positions)
-        if cache is not None:
-            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [kvh, total, d]
-        new, total = x.shape[0], k.shape[1]
+        cache = appended(cache, k, v)  # [kvh, total, d]
+        if last_only:  # the last row sees every position
+            visible = torch.ones(1, cache.length, dtype=torch.bool, device=x.device)
+            return self._finish(x[-1:], _grouped_attention(q[:, -1:], cache.keys, cache.values, visible)), cache
+        new, total = x.shape[0], cache.length
         allowed = torch.ones(new, total, dtype=torch.bool, device=x.device).tril(total - new)  # [n, total]
-        attended = _grouped_attention(q, k, v, allowed)
-        return self._finish(x, attended), EagleCache(keys=k, values=v)
+        return self._finish(x, _grouped_attention(q, cache.keys, cache.values, allowed)), cache
 
-    def draft(self, cache: EagleCache, parent_states: torch.Tensor, token_embeds: torch.Tensor,
+    def draft(self, cache: KVRows, parent_states: torch.Tensor, token_embeds: torch.Tensor,
               depth: int, draft_keys: tuple[torch.Tensor, torch.Tensor] | None, ancestors: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One depth of draft nodes: parent states [B, H], their tokens' embeddings [B, H], at
@@ -185,15 +175,13 @@ class EagleLayer(nn.Module):
         x = parent_states  # [B, H]
         positions = torch.full((x.shape[0],), cache.length - 1 + depth, device=x.device)
         q, k, v = self._qkv(x, token_embeds, positions)  # [h, B, d], [kvh, B, d]
-        keys = [cache.keys] + ([draft_keys[0]] if draft_keys is not None else [])
-        values = [cache.values] + ([draft_keys[1]] if draft_keys is not None else [])
         batch = x.shape[0]
-        # each row: every cached position, its marked ancestors, then itself (its own key only)
-        visible = torch.cat([torch.ones(batch, cache.length, dtype=torch.bool, device=x.device), ancestors,
-                             torch.eye(batch, dtype=torch.bool, device=x.device)], dim=1)  # [B, total]
-        all_k = torch.cat(keys + [k], dim=1)  # [kvh, total, d]
-        all_v = torch.cat(values + [v], dim=1)
-        attended = _grouped_attention(q, all_k, all_v, visible)
+        # beyond the cache (which every row sees whole) each row sees its marked ancestors, then
+        # itself (its own key only): the draft keys are few, the cache is not copied
+        draft_k = k if draft_keys is None else torch.cat([draft_keys[0], k], dim=1)  # [kvh, M + B, d]
+        draft_v = v if draft_keys is None else torch.cat([draft_keys[1], v], dim=1)
+        visible = torch.cat([ancestors, torch.eye(batch, dtype=torch.bool, device=x.device)], dim=1)  # [B, M + B]
+        attended = _two_part_attention(q, cache, (draft_k, draft_v), visible)
         return self._finish(x, attended), k, v
 
     # -- training -------------------------------------------------------------------------------------
@@ -257,6 +245,22 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     scores = (grouped @ k.transpose(-1, -2)).view(kv_heads, heads // kv_heads, rows, total)  # [kvh, g, n, total]
     weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return (weights.view(kv_heads, -1, total) @ v).view(heads, rows, dim)  # [heads, n, d]
+
+
+def _two_part_attention(q: torch.Tensor, cache: KVRows, draft: tuple[torch.Tensor, torch.Tensor],
+                        visible: torch.Tensor) -> torch.Tensor:
+    """`_grouped_attention` of q [heads, n, d] over the whole cache, then the draft keys and values
+    (k, v [kv_heads, M, d]) where visible [n, M] allows: the scores of both parts side by side, so the
+    cache is read where it lies."""
+    heads, rows, dim = q.shape
+    kv_heads = cache.keys.shape[0]
+    grouped = (q * dim ** -0.5).reshape(kv_heads, heads // kv_heads * rows, dim)  # [kvh, g * n, d]
+    past = grouped @ cache.keys.transpose(-1, -2)  # [kvh, g * n, total]
+    drafted = (grouped @ draft[0].transpose(-1, -2)).view(kv_heads, -1, rows, visible.shape[1])  # [kvh, g, n, M]
+    drafted = drafted.masked_fill(~visible, float("-inf")).view(kv_heads, heads // kv_heads * rows, -1)
+    weights = torch.cat([past, drafted], dim=-1).softmax(dim=-1)  # [kvh, g * n, total + M]
+    attended = weights[..., :cache.length] @ cache.values + weights[..., cache.length:] @ draft[1]
+    return attended.view(heads, rows, dim)  # [heads, n, d]
 
 
 def _chain_attention(q: torch.Tensor, base_k: torch.Tensor, base_v: torch.Tensor, chain_k: list[torch.Tensor],
@@ -323,7 +327,7 @@ def shipped_eagle(base: BaseModel) -> tuple[EagleLayer | None, str]:
 
 
 @torch.inference_mode()
-def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: EagleCache,
+def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: KVRows,
                      root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> Growth:
     """EAGLE-2's expansion: the root's children from `root_state` [H] (the layer's output at the last
     accepted position, which read the root token), then depth by depth the `beam` best nodes by
@@ -366,7 +370,7 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     return growth
 
 
-def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: EagleCache,
+def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: KVRows,
                     root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
     """EAGLE-2's tree: `grow_eagle_nodes`, then the `budget` best nodes of all (the rerank)."""
     return grow_eagle_nodes(layer, embed, projection, cache, root_state, budget=budget, width=width, beam=beam,
@@ -386,7 +390,7 @@ class EagleDrafter:
         self.embed = drafting_embedding(base, self.dtype)
         self.taps = layer.config.taps
         self.width, self.beam, self.depth, self.budget = width, beam, min(depth, EAGLE_DEPTH), budget
-        self.cache: EagleCache | None = None  # immutable: copy.copy of the drafter forks it safely
+        self.cache: KVRows | None = None  # immutable: copy.copy of the drafter forks it safely
         self.seen_chunks = 0
         self.seen_rows = 0
         self.last_state: torch.Tensor | None = None
@@ -420,8 +424,8 @@ class EagleDrafter:
             # history row i is followed by token i of the answer's last `rows` tokens (the root last)
             following = torch.tensor(list(context.tokens[len(context.tokens) - rows + self.seen_rows:]),
                                      device=fresh.device)  # [n]
-            outputs, self.cache = self.layer.extend(self.cache, fresh, self.embed(following))
-            self.seen_chunks, self.seen_rows, self.last_state = len(chunks), rows, outputs[-1]
+            last, self.cache = self.layer.extend(self.cache, fresh, self.embed(following), last_only=True)  # [1, H]
+            self.seen_chunks, self.seen_rows, self.last_state = len(chunks), rows, last[0]
         return self.last_state
 
     def observe(self, proposed: object, verified_depths: Sequence[int], accepted_tokens: Sequence[int]) -> None:

@@ -25,7 +25,7 @@ layer (attention without positional encoding, then a gated MLP, each zero-initia
 output so a fresh layer is the identity) over the base model's hidden states of the answer so
 far, from the one that predicted its first token; its output at the last position replaces `h`
 above, so every head sees more than the last hidden state. At decode time the drafter keeps the
-layer's keys and values (`PrefixCache`) and extends them with each step's accepted positions:
+layer's keys and values (`core.drafters.layers.KVRows`) and extends them with each step's accepted positions:
 a rejected node never enters, so nothing is rolled back.
 
 On-disk format (`assets/hydra/`): `config.json` (HydraConfig) and `heads.safetensors` with
@@ -36,14 +36,17 @@ On-disk format (`assets/hydra/`): `config.json` (HydraConfig) and `heads.safeten
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, Proposal, check_heads, drafting_embedding, heads_for_drafting
-from core.drafters.layers import RMSNorm, linears_on_kernels, read_weights, save_weights, take_draft_vocab
+from core.drafters.layers import (KVRows, RMSNorm, appended, linears_on_kernels, read_weights, save_weights,
+                                  take_draft_vocab)
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, Growth, expand
@@ -53,6 +56,7 @@ from core.tree import CandidateTree
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
 HYDRA_BEAM = DEFAULT_BEAM  # nodes expanded per depth (DecodeConfig.beam's default)
+NATIVE_DRAFTING = True  # on the exact engine, each depth one native call (`NativeHeads`)
 
 
 @dataclass(frozen=True)
@@ -89,20 +93,6 @@ class HydraHead(nn.Module):
         """hidden [..., H], path_embeds [..., k, H] -> [..., H]."""
         mixed = torch.cat([hidden, path_embeds.flatten(-2)], dim=-1)  # [..., (k+1)H]
         return self.blocks(hidden + self.mix(mixed))
-
-
-@dataclass(frozen=True)
-class PrefixCache:
-    """The prefix layer's keys and values of every position seen so far; `extend` returns a new
-    cache (tensors are never written in place, so a forked session may share the old one)."""
-
-    keys: torch.Tensor  # [heads, n, d]
-    values: torch.Tensor  # [heads, n, d]
-
-    @property
-    def length(self) -> int:
-        """Positions cached."""
-        return self.keys.shape[1]
 
 
 class PrefixLayer(nn.Module):
@@ -143,15 +133,36 @@ class PrefixLayer(nn.Module):
         attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [B, h, T, d]
         return self._finish(hidden, attended)
 
-    def extend(self, cache: PrefixCache | None, hidden: torch.Tensor) -> tuple[torch.Tensor, PrefixCache]:
-        """Decoding: new positions hidden [n, H] after `cache` -> (their outputs [n, H], the longer cache)."""
-        q, k, v = self._queries_keys_values(hidden)  # [h, n, d] each
-        if cache is not None:
-            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)  # [h, total, d]
-        new, total = hidden.shape[0], k.shape[1]
+    def native_extend(self, cache: KVRows | None, hidden: torch.Tensor) -> tuple[torch.Tensor, KVRows]:
+        """`extend(cache, hidden, last_only=True)` as one native call (the layer's products on the exact
+        engine's kernels: `NativeHeads`): the last position's output [1, H] and the longer cache."""
+        heads = self.num_heads
+        cache = cache or KVRows.empty(heads, hidden.shape[-1] // heads)
+        store = cache.room_for(hidden.shape[0])
+        last = _kernel_product(self.qkv).kernels.prefix_step(
+            hidden, store.keys, store.values, cache.length, self.attn_norm.weight, _kernel_product(self.qkv).weight,
+            _kernel_product(self.out).weight, self.mlp_norm.weight, _kernel_product(self.gate_up).weight,
+            _kernel_product(self.down).weight, self.attn_norm.eps)  # [H]
+        return last[None].to(hidden.dtype), cache.written(store, hidden.shape[0])
+
+    def extend(self, cache: KVRows | None, hidden: torch.Tensor, *, last_only: bool = False
+               ) -> tuple[torch.Tensor, KVRows]:
+        """Decoding: new positions hidden [n, H] after `cache` -> (their outputs [n, H], the longer cache).
+        `last_only`: the last position's output alone ([1, H]; the others' keys and values still enter
+        the cache): what drafting reads, for one row's attention and MLP instead of n."""
+        q, k, v = (part.float() for part in self._queries_keys_values(hidden))  # [h, n, d] each
+        # the cache and the attention in fp32 whatever the drafting precision: bf16 products of a shape
+        # that changes every step (the cache grows) cost a new oneDNN kernel each, ~0.3 ms
+        cache = appended(cache, k, v)  # [h, total, d]
+        if last_only:
+            last = q[:, -1:]  # [h, 1, d]: sees every position, so no mask
+            scores = (last @ cache.keys.transpose(-1, -2)) * last.shape[-1] ** -0.5  # [h, 1, total]
+            attended = torch.softmax(scores, dim=-1) @ cache.values  # [h, 1, d]
+            return self._finish(hidden[-1:], attended.to(hidden.dtype)), cache  # [1, H]
+        new, total = hidden.shape[0], cache.length
         allowed = torch.ones(new, total, dtype=torch.bool, device=hidden.device).tril(total - new)  # [n, total]
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [h, n, d]
-        return self._finish(hidden, attended), PrefixCache(keys=k, values=v)
+        attended = nn.functional.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=allowed)
+        return self._finish(hidden, attended.to(hidden.dtype)), cache  # [n, H]
 
 
 class HydraHeads(nn.Module):
@@ -225,10 +236,58 @@ def default_hydra_heads(*, dtype: torch.dtype = torch.float32, device: torch.dev
     return load_hydra_heads(DEFAULT_HYDRA_DIR, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class NativeHeads:
+    """Hydra heads whose products all run on the exact engine's kernels, so that each depth is one
+    native call (`draft_head`: the mix, the ResBlocks, the projection and the top guesses) and so is
+    the prefix layer's step (`PrefixLayer.native_extend`), not dozens of torch operators on a few
+    rows. Per head its kernel weights, per depth the projection's. Activations in fp32."""
+
+    kernels: ModuleType
+    mixes: tuple[object, ...]
+    blocks: tuple[tuple[object, ...], ...]
+    projections: tuple[object, ...]
+
+    @classmethod
+    def of(cls, heads: HydraHeads, projection: DraftProjection) -> "NativeHeads | None":
+        """The kernel weights of `heads` (a drafting copy from `linears_on_kernels`) and `projection`,
+        or None when any of them is not a kernel product (another engine, or a fallback)."""
+        products = [[_kernel_product(head.mix)] + [_kernel_product(b.linear) for b in head.blocks]
+                    for head in heads.heads]
+        if heads.prefix is not None:  # its step is native too (`PrefixLayer.native_extend`)
+            products += [[_kernel_product(getattr(heads.prefix, name)) for name in ("qkv", "out", "gate_up", "down")]]
+        products += [[projection.products.get(projection.rows_at(d)) for d in range(1, heads.config.num_heads + 1)]]
+        if not all(hasattr(p, "kernels") and hasattr(p, "weight") for row in products for p in row):
+            return None
+        lanes = 16  # the native calls' vector width: the hidden size and the prefix layer's head size
+        if heads.config.hidden_size % lanes or (heads.prefix is not None
+                                                 and heads.config.hidden_size // heads.prefix.num_heads % lanes):
+            return None
+        weights = [[p.weight for p in row] for row in products[:heads.config.num_heads]]
+        return cls(kernels=products[0][0].kernels, mixes=tuple(row[0] for row in weights),
+                   blocks=tuple(tuple(row[1:]) for row in weights),
+                   projections=tuple(p.weight for p in products[-1]))
+
+    def children(self, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head `depth`'s top-`width` (probabilities, projection rows) [B, width] after hidden [H] and
+        each row's path embeddings [B, depth, H]."""
+        return self.kernels.draft_head(hidden, path_embeds.flatten(1), self.mixes[depth - 1],
+                                       list(self.blocks[depth - 1]), self.projections[depth - 1], width)
+
+
+def _kernel_product(module: nn.Module) -> object:
+    """What a `KernelLinear` multiplies by (None for any other module)."""
+    return getattr(module, "product", None)
+
+
 def _children(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjection, hidden: torch.Tensor,
-              paths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+              paths: torch.Tensor, width: int, native: NativeHeads | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Head `paths.shape[1]`'s top-`width` (probabilities, ids) after each path [B, d] (root first)."""
     depth = paths.shape[1]
+    if native is not None:
+        probs, rows = native.children(depth, hidden, embed(paths), width)  # [B, width] each
+        return probs, projection.vocabulary_ids(rows)
     states = heads.head_state(depth, hidden.expand(len(paths), -1), embed(paths))  # [B, H]
     probs, ids = ranked(projection.logits(states, depth), width, projection)  # [B, width] each
     return probs.cpu(), ids.cpu()
@@ -236,12 +295,13 @@ def _children(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
 
 @torch.inference_mode()
 def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjection, hidden: torch.Tensor,
-              root_token: int, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
+              root_token: int, *, budget: int, width: int, beam: int, depth: int,
+              native: NativeHeads | None = None) -> GrownTree:
     """The `budget` best nodes of a tree grown depth by depth from `root_token` (module docstring).
 
     hidden: [H] the base model's hidden state that predicted the root. One batched head call
     per depth over at most `beam` frontier nodes: `width` children of the root, min(width, beam)
-    of each deeper node."""
+    of each deeper node (`native`: each call one native call)."""
     depth = min(depth, heads.config.num_heads)
     device = hidden.device
     grown: list[GrownNode] = []
@@ -254,12 +314,15 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         # next frontier can hold
         children = width if level == 1 else min(width, beam)
         probs, ids = _children(heads, embed, projection, hidden[None].to(embed.weight.dtype),  # the drafting dtype
-                               paths, children)  # [B, children] each
+                               paths, children, native)  # [B, children] each
         row = frontier.index(greedy)
         greedy_probs.append(probs[row])
         greedy_ids.append(ids[row])
-        level_nodes = expand(frontier, probs.tolist(), ids.tolist())  # probs.shape[1] per parent, frontier order
-        greedy = level_nodes[row * probs.shape[1]]  # the greedy parent's best child
+        # a parent's child ranked `budget` or lower has `budget` siblings scoring at least as much, so
+        # it can enter neither the cut nor a frontier: only the heads table reads that far
+        kept = min(probs.shape[1], budget)
+        level_nodes = expand(frontier, probs[:, :kept].tolist(), ids[:, :kept].tolist())  # kept per parent
+        greedy = level_nodes[row * kept]  # the greedy parent's best child
         grown += level_nodes
         # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed; the
         # greedy chain is always expanded, so the heads table shows one path's conditionals
@@ -283,11 +346,12 @@ class HydraDrafter:
     def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         drafting, self.projection, self.dtype = heads_for_drafting(heads, base)
         self.heads = linears_on_kernels(drafting, base)  # on the exact engine, products through its kernels
+        self.native = NativeHeads.of(self.heads, self.projection) if base.exact and NATIVE_DRAFTING else None
         self.embed = drafting_embedding(base, self.dtype)
         self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
         # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:
         # a cache is never changed in place)
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache: KVRows | None = None
         self.seen = 0
         self.last_state: torch.Tensor | None = None
 
@@ -311,7 +375,8 @@ class HydraDrafter:
         for fewer head calls."""
         budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
         return grow_tree(self.heads, self.embed, self.projection, self._state(context), int(context.tokens[-1]),
-                         budget=budget, width=self.width, beam=self.beam, depth=min(self.depth, budget))
+                         budget=budget, width=self.width, beam=self.beam, depth=min(self.depth, budget),
+                         native=self.native)
 
     @torch.inference_mode()
     def _state(self, context: DraftContext) -> torch.Tensor:
@@ -324,8 +389,10 @@ class HydraDrafter:
             self.prefix_cache, self.seen = None, 0
         if self.seen < len(context.history):
             fresh = torch.cat([chunk.to(self.dtype) for chunk in context.history[self.seen:]])  # [n, H]
-            outputs, self.prefix_cache = self.heads.prefix.extend(self.prefix_cache, fresh)  # [n, H]
-            self.seen, self.last_state = len(context.history), outputs[-1]
+            extend = (self.heads.prefix.native_extend if self.native is not None
+                      else partial(self.heads.prefix.extend, last_only=True))
+            last, self.prefix_cache = extend(self.prefix_cache, fresh)  # [1, H]
+            self.seen, self.last_state = len(context.history), last[0]
         return self.last_state
 
     def observe(self, proposed: Proposal | list[Chain], verified_depths: Sequence[int],

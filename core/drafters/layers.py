@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
 
@@ -59,6 +59,72 @@ def take_draft_vocab(state: dict[str, torch.Tensor], size: int, folder: Path) ->
     if len(draft_vocab) != size:
         raise ValueError(f"{folder}: config says {size} draft tokens, weights hold {len(draft_vocab)}")
     return draft_vocab
+
+
+class AppendStore:
+    """Keys and values [heads, capacity, d] that `KVRows` views; positions [0, filled) are written once."""
+
+    def __init__(self, rows: "KVRows", capacity: int) -> None:
+        heads, length, dim = rows.keys.shape
+        self.keys = rows.keys.new_empty(heads, capacity, dim)  # [heads, capacity, d]
+        self.values = rows.values.new_empty(heads, capacity, rows.values.shape[-1])
+        self.keys[:, :length], self.values[:, :length] = rows.keys, rows.values
+        self.filled = length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+
+@dataclass(frozen=True)
+class KVRows:
+    """A drafter layer's keys and values [heads, n, d] over positions 0..n-1. `appended` returns a new
+    one and never changes this one, so a forked session may keep sharing it; the rows live in a store
+    that grows by doubling, so a step appends its few positions without copying the whole cache."""
+
+    keys: torch.Tensor  # [heads, n, d]
+    values: torch.Tensor  # [heads, n, d]
+    store: AppendStore | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def empty(cls, heads: int, dim: int, dtype: torch.dtype = torch.float32) -> "KVRows":
+        """No positions yet."""
+        none = torch.empty(heads, 0, dim, dtype=dtype)  # [heads, 0, d]
+        return cls(none, none)
+
+    @property
+    def length(self) -> int:
+        """Positions held."""
+        return self.keys.shape[1]
+
+    def appended(self, keys: torch.Tensor, values: torch.Tensor) -> "KVRows":
+        """These rows, then keys / values [heads, new, d]."""
+        if torch.is_grad_enabled() and (keys.requires_grad or self.keys.requires_grad):  # training: no writes
+            return KVRows(torch.cat([self.keys, keys], dim=1), torch.cat([self.values, values], dim=1))
+        store = self.room_for(keys.shape[1])
+        store.keys[:, self.length:self.length + keys.shape[1]] = keys
+        store.values[:, self.length:self.length + keys.shape[1]] = values
+        return self.written(store, keys.shape[1])
+
+    def room_for(self, new: int) -> AppendStore:
+        """A store whose rows [0, length) are these and whose rows [length, length + new) are free to
+        write (then `written`): this one's, or a new one twice as large when another fork appended
+        past this one or it is full."""
+        store, total = self.store, self.length + new
+        if store is None or store.filled != self.length or store.capacity < total:
+            store = AppendStore(self, capacity=max(64, 2 * total))
+        return store
+
+    def written(self, store: AppendStore, new: int) -> "KVRows":
+        """These rows and the `new` written after them in `store` (from `room_for`)."""
+        total = self.length + new
+        store.filled = total
+        return KVRows(store.keys[:, :total], store.values[:, :total], store)
+
+
+def appended(rows: KVRows | None, keys: torch.Tensor, values: torch.Tensor) -> KVRows:
+    """`rows.appended(keys, values)`, or the first rows of a cache when `rows` is None."""
+    return KVRows(keys, values) if rows is None else rows.appended(keys, values)
 
 
 class KernelLinear(nn.Module):

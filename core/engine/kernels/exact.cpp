@@ -1208,6 +1208,157 @@ void attend_shared(const AttentionQuery* queries, int count, const float* keys, 
 }
 #endif
 
+// -- drafting ---------------------------------------------------------------------------------------
+// A draft only proposes (the verify decides every token), so none of this needs row invariance; it
+// runs one depth of a drafter in one call because a handful of torch operators on a few rows cost
+// more than their arithmetic.
+
+// The `width` largest of v[0, n), best first (ties: the lower index first) -> (values, indices).
+void top_of(const float* v, int64_t n, int64_t width, float* top_values, int64_t* top_indices) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (kept == width && !(v[i] > top_values[kept - 1])) continue;
+    int64_t at = kept < width ? kept++ : width - 1;  // the slot it enters from: the end
+    while (at > 0 && v[i] > top_values[at - 1]) {
+      top_values[at] = top_values[at - 1];
+      top_indices[at] = top_indices[at - 1];
+      --at;
+    }
+    top_values[at] = v[i];
+    top_indices[at] = i;
+  }
+}
+
+// softmax(logits[0, n)) at the `width` largest logits, best first: probabilities and indices
+void softmax_top(const float* logits, int64_t n, int64_t width, float* probs, int64_t* indices) {
+  top_of(logits, n, width, probs, indices);
+  const float peak = probs[0];
+  v16f sum{};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) sum = sum + vexp(vload(logits + i) - peak);
+  float total = hsum(sum);
+  for (; i < n; ++i) total += std::exp(logits[i] - peak);
+  for (int64_t j = 0; j < width; ++j) probs[j] = std::exp(probs[j] - peak) / total;
+}
+
+void add_into_rows(float* x, const float* delta, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] += delta[i];
+}
+
+// x += silu(t) over n numbers (n a multiple of 16)
+void add_silu(float* x, const float* t, int64_t n) {
+  for (int64_t i = 0; i < n; i += LANES) {
+    const v16f g = vload(t + i);
+    vstore(x + i, vload(x + i) + g / (vexp(-g) + 1.0f));
+  }
+}
+
+// One depth of a residual draft head on B rows (Hydra's head k: `extra` holds the path's k token
+// embeddings; a head without a mix passes an empty `extra`):
+//   x = hidden + mix([hidden; extra_r])       (mix's bias included)
+//   x = x + silu(block(x))                    for each block
+//   the `width` most probable projection rows of softmax(projection(x)), best first
+// hidden [H], extra [B, E] fp32 -> (probabilities [B, width] fp32, projection rows [B, width] int64)
+std::vector<torch::Tensor> draft_head(torch::Tensor hidden, torch::Tensor extra, const Weight* mix,
+                                      const std::vector<Weight*>& blocks, const Weight& projection, int64_t width) {
+  auto h = hidden.to(torch::kFloat32).contiguous();
+  auto e = extra.to(torch::kFloat32).contiguous();
+  const int64_t size = h.numel(), rows = e.size(0), wide = e.size(1);
+  TORCH_CHECK(size % LANES == 0 && projection.in == size, "hidden width ", size);
+  TORCH_CHECK(mix == nullptr || (mix->in == size + wide && mix->out == size), "mix shape");
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  torch::Tensor x = h.expand({rows, size}).contiguous();  // [B, H]
+  float* xs = x.data_ptr<float>();
+  torch::Tensor t = torch::empty({rows, size}, opts);
+  if (mix != nullptr) {
+    torch::Tensor input = torch::cat({x, e}, 1);  // [B, H + E]
+    matmul_into(input.data_ptr<float>(), rows, *mix, t.data_ptr<float>());
+    add_into_rows(xs, t.data_ptr<float>(), rows * size);
+  }
+  for (const Weight* block : blocks) {
+    TORCH_CHECK(block->in == size && block->out == size, "block shape");
+    matmul_into(xs, rows, *block, t.data_ptr<float>());
+    add_silu(xs, t.data_ptr<float>(), rows * size);
+  }
+  const int64_t vocab = projection.out;
+  width = std::min(width, vocab);
+  torch::Tensor logits = torch::empty({rows, vocab}, opts);
+  matmul_into(xs, rows, projection, logits.data_ptr<float>());
+  torch::Tensor probs = torch::empty({rows, width}, opts);
+  torch::Tensor indices = torch::empty({rows, width}, torch::TensorOptions().dtype(torch::kInt64));
+  for (int64_t r = 0; r < rows; ++r)
+    softmax_top(logits.data_ptr<float>() + r * vocab, vocab, width, probs.data_ptr<float>() + r * width,
+                indices.data_ptr<int64_t>() + r * width);
+  return {probs, indices};
+}
+
+// One step of a causal decoder layer without positions over a drafter's own cache (Hydra++'s prefix
+// layer): n new rows hidden [n, H] enter the cache (keys, values [heads, capacity, d] fp32, rows
+// [0, past) filled; the caller makes room), and the last row's output comes back [H]:
+//   a = norm(x) * attn_norm;  q, k, v = a @ qkv  (k, v of every new row written at past..past+n-1)
+//   y = x_last + out(attention of the last row's q over all past + n rows)
+//   y = y + down(silu(gate) * up),  gate | up = gate_up(norm(y) * mlp_norm)
+torch::Tensor prefix_step(torch::Tensor hidden, torch::Tensor keys, torch::Tensor values, int64_t past,
+                          torch::Tensor attn_norm, const Weight& qkv, const Weight& out, torch::Tensor mlp_norm,
+                          const Weight& gate_up, const Weight& down, double eps) {
+  auto x = hidden.to(torch::kFloat32).contiguous();
+  const int64_t n = x.size(0), size = x.size(1), heads = keys.size(0), capacity = keys.size(1), d = keys.size(2);
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous() &&
+              values.sizes() == keys.sizes(), "the cache must be contiguous fp32 [heads, capacity, d]");
+  TORCH_CHECK(heads * d == size && d % LANES == 0 && past + n <= capacity && n > 0, "prefix cache shape");
+  TORCH_CHECK(qkv.in == size && qkv.out == 3 * size && out.in == size && gate_up.in == size &&
+              down.out == size && down.in * 2 == gate_up.out, "prefix layer shapes");
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  const float e = static_cast<float>(eps);
+  auto an = attn_norm.to(torch::kFloat32).contiguous(), mn = mlp_norm.to(torch::kFloat32).contiguous();
+  torch::Tensor normed = torch::empty({n, size}, opts), projected = torch::empty({n, 3 * size}, opts);
+  for (int64_t r = 0; r < n; ++r)
+    rms_norm_row(x.data_ptr<float>() + r * size, an.data_ptr<float>(), normed.data_ptr<float>() + r * size, size, e);
+  matmul_into(normed.data_ptr<float>(), n, qkv, projected.data_ptr<float>());
+  const float* p = projected.data_ptr<float>();
+  float* key_data = keys.data_ptr<float>();
+  float* value_data = values.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t head = 0; head < heads; ++head) {
+      std::memcpy(key_data + (head * capacity + past + r) * d, p + r * 3 * size + size + head * d, d * 4);
+      std::memcpy(value_data + (head * capacity + past + r) * d, p + r * 3 * size + 2 * size + head * d, d * 4);
+    }
+  const int64_t total = past + n;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> attended(size), scores(total);
+  const float* q = p + (n - 1) * 3 * size;  // the last row's queries
+  for (int64_t head = 0; head < heads; ++head) {
+    const float* hk = key_data + head * capacity * d;
+    const float* hv = value_data + head * capacity * d;
+    float peak = -INFINITY;
+    for (int64_t t = 0; t < total; ++t) {
+      v16f acc{};
+      for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(q + head * d + i), vload(hk + t * d + i), acc);
+      scores[t] = hsum(acc) * scale;
+      peak = std::max(peak, scores[t]);
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
+    for (int64_t i = 0; i < d; i += LANES) {
+      v16f acc{};
+      for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(hv + t * d + i), acc);
+      vstore(attended.data() + head * d + i, acc * (1.0f / sum));
+    }
+  }
+  torch::Tensor y = x[n - 1].clone();  // [H]
+  float* ys = y.data_ptr<float>();
+  std::vector<float> delta(size), mlp(gate_up.out), act(down.in);
+  matmul_into(attended.data(), 1, out, delta.data());
+  add_into_rows(ys, delta.data(), size);
+  rms_norm_row(ys, mn.data_ptr<float>(), normed.data_ptr<float>(), size, e);
+  matmul_into(normed.data_ptr<float>(), 1, gate_up, mlp.data());
+  const int64_t inner = down.in;
+  for (int64_t i = 0; i < inner; ++i) act[i] = mlp[i] / (1.0f + std::exp(-mlp[i])) * mlp[inner + i];
+  matmul_into(act.data(), 1, down, delta.data());
+  add_into_rows(ys, delta.data(), size);
+  return y;
+}
+
 class Model {
  public:
   Model(Config config, std::vector<Layer> layers, Weight embed, torch::Tensor final_norm, Weight lm_head,
@@ -1543,4 +1694,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("project", &Model::project, py::call_guard<py::gil_scoped_release>());
   m.def("matmul", &Model::matmul, "x @ w.T by the row-invariant product", py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &Model::dequantize, "a weight's rows as fp32 [out, in]");
+  m.def("prefix_step", &prefix_step, "a drafter's causal layer without positions: new rows into its cache, the last one's output",
+        py::arg("hidden"), py::arg("keys"), py::arg("values"), py::arg("past"), py::arg("attn_norm"), py::arg("qkv"),
+        py::arg("out"), py::arg("mlp_norm"), py::arg("gate_up"), py::arg("down"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("draft_head", &draft_head, "one depth of a residual draft head: (probabilities, projection rows) of its top guesses",
+        py::arg("hidden"), py::arg("extra"), py::arg("mix"), py::arg("blocks"), py::arg("projection"), py::arg("width"),
+        py::call_guard<py::gil_scoped_release>());
 }
