@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from core.budget.controller import AutoBudget
+from core.budget.controller import FIRST_DRAFT_LIMIT, AutoBudget
 from core.drafters.interface import Chain, HeadProposal
 from core.budget.cost_profile import CostProfile, DepthCalibration
 from core.records import PhaseTimes, StepKind, StepRecord, TreeOutcome
@@ -330,12 +330,12 @@ def test_streaky_heads_keep_their_gain_under_the_loss_budget():
 
 def test_the_draft_limit_follows_the_trees_the_last_heads_steps_kept():
     """Twice the largest tree of the last heads steps (at least 2): a tree that pays doubles what
-    the next step drafts; plain steps do not count; no limit before any heads step."""
+    the next step drafts; plain steps do not count; a small first draft before any heads step."""
     auto = AutoBudget(profile=PROFILE)
-    assert auto.draft_limit() is None
+    assert auto.draft_limit() == FIRST_DRAFT_LIMIT
     draft = build_draft_tree(heads(), [], 16, 8, 4, None)
     auto.records = [_plain_step(0)]
-    assert auto.draft_limit() is None
+    assert auto.draft_limit() == FIRST_DRAFT_LIMIT
     auto.records = [record(draft.keep(size=0), [])]
     assert auto.draft_limit() == 2
     auto.records = [record(draft.keep(size=5), []), record(draft.keep(size=1), []), _plain_step(2)]
@@ -367,13 +367,14 @@ def test_node_texts_are_timed_and_charged_to_the_step():
 def test_the_plan_decides_the_drafters_and_the_node_budget_once_per_step():
     """`plan` is the controller's one decision before drafting: a probe runs no drafter, a back-off
     runs the chains alone, and the node budget is the smaller of the strategy's and the draft
-    limit; without `auto` every step drafts everything up to the budget."""
+    limit (a small one before any heads step); without `auto` every step drafts everything up to the budget."""
     from core.budget.controller import ControllerState, FixedBudget
     fixed = FixedBudget().plan(40, grows=True)
     assert (fixed.state, fixed.heads, fixed.chains, fixed.max_nodes) == (ControllerState.OFF, True, True, 40)
     auto = AutoBudget(profile=PROFILE)
     first = auto.plan(40, grows=True)
-    assert first.state == ControllerState.NORMAL and first.heads and first.max_nodes == 40
+    assert first.state == ControllerState.NORMAL and first.heads and first.max_nodes == FIRST_DRAFT_LIMIT
+    assert auto.plan(40, grows=False).max_nodes == 40
     auto.steps = 1  # steps 1, 3, 5 probe until plain speed is measured
     probe = auto.plan(40, grows=True)
     assert probe.state == "probing" and not probe.heads and not probe.chains

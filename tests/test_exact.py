@@ -289,12 +289,21 @@ def test_medusa_resblocks_on_the_kernels_propose_what_torch_proposes():
     session = decode(base, heads, list(range(40, 60)), DecodeConfig(spec="dynamic:8", max_new_tokens=2))
     drafter = session.heads_drafter
     assert drafter.products is not None and isinstance(drafter.products.first[0], KernelProduct)
-    hidden = torch.randn(5, base.model.config.hidden_size).to(drafter.dtype)
+    hidden = torch.randn(5, base.model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(drafter.dtype)
     mine = drafter.heads.propose(hidden, 4, drafter.projection, products=drafter.products)
     torch_first = drafter.heads.residual_products()
     theirs = drafter.heads.propose(hidden, 4, drafter.projection, products=torch_first)
     assert torch.equal(mine[1], theirs[1])
     assert torch.allclose(mine[0], theirs[0], atol=2e-2)
+    assert drafter.native is not None  # a session's proposal: one native call, fp32 (each head its own rows)
+    one = torch.randn(base.model.config.hidden_size)
+    kept = one.clone()
+    for depth in (1, len(heads.heads)):
+        probs, rows = drafter.native.propose(one, 4, depth)  # [D, 4] each
+        assert torch.equal(one, kept)  # the caller's state is read, never written
+        expected = drafter.heads.propose(one, 4, drafter.projection, depth=depth, products=drafter.products)
+        assert torch.equal(drafter.projection.vocabulary_ids(rows), expected[1])
+        assert torch.allclose(probs, expected[0], atol=1e-5, rtol=1e-4)
 
 
 @needs_kernels
@@ -320,6 +329,10 @@ def test_hydra_heads_on_the_kernels_grow_the_tree_torch_grows():
         assert torch.allclose(torch.tensor(grown[0].tree.scores), torch.tensor(other.tree.scores), atol=2e-2)
     paths = torch.tensor([[7, 9], [7, 11], [7, 3]])
     embeds = drafter.embed(paths).float()  # [3, 2, H]
+    root = hidden.float()
+    kept = root.clone()
+    drafter.native.children(1, root, embeds[:1, :1], 4)
+    assert torch.equal(root, kept)  # one row: the caller's state is read, never written
     probs, rows = drafter.native.children(2, hidden.float(), embeds, 4)  # [3, 4] each
     logits = drafter.projection.logits(drafter.heads.head_state(2, hidden.float().expand(3, -1), embeds), 2)
     expected = torch.softmax(logits, dim=-1).topk(4)  # the same products in fp32, torch's glue

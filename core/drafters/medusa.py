@@ -434,6 +434,38 @@ def kernel_residual_products(heads: MedusaHeads, base: BaseModel) -> ResidualPro
     return _PRODUCTS.get(heads, id(base), lambda: heads.residual_products(partial(drafter_product, base)))
 
 
+NATIVE_DRAFTING = True  # on the exact engine, the heads' proposal in one native call (`NativeMedusa`)
+
+
+@dataclass(frozen=True)
+class NativeMedusa:
+    """Medusa heads whose ResBlocks and projection all run on the exact engine's kernels, proposed in
+    one native call (`medusa_heads`: the blocks, one projection of every head's state, each head's
+    top guesses among its own rows) instead of a dozen torch operators on a few rows; fp32."""
+
+    products: ResidualProducts
+    projection: DraftProjection
+
+    @classmethod
+    def of(cls, products: ResidualProducts | None, projection: DraftProjection | None) -> "NativeMedusa | None":
+        """None unless every product is a kernel product (shared-lm_head heads with ResBlocks)."""
+        if products is None or projection is None:
+            return None
+        every = [*products.first, *(p for head in products.later for p in head),
+                 projection.products.get(projection.widest_rows)]
+        if not all(hasattr(p, "kernels") and hasattr(p, "weight") for p in every):
+            return None
+        return cls(products=products, projection=projection)
+
+    def propose(self, hidden: torch.Tensor, width: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `depth` heads' top-`width` (probabilities, projection rows) [D, width] at hidden [H]."""
+        first = self.products.first[depth - 1]
+        return first.kernels.medusa_heads(
+            hidden, first.weight, [[p.weight for p in head] for head in self.products.later[:depth]],
+            self.projection.products[self.projection.widest_rows].weight,
+            [self.projection.rows_at(d) for d in range(1, depth + 1)], width)
+
+
 class HeadsDrafter:
     """Medusa heads: head k guesses token t+k+1 from the hidden state at t alone."""
 
@@ -442,6 +474,7 @@ class HeadsDrafter:
     def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int, fixed_depth: int = 0) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
         self.products = kernel_residual_products(self.heads, base)
+        self.native = NativeMedusa.of(self.products, self.projection) if base.exact and NATIVE_DRAFTING else None
         self.width = width
         self.depth = depth
         self.fixed_depth = fixed_depth  # the fixed tree's depth this drafter serves (every step needs it), else 0
@@ -464,6 +497,9 @@ class HeadsDrafter:
         depth = self.depth
         if context.max_nodes is not None:
             depth = max(self.fixed_depth, min(depth, max(1, context.max_nodes)))
+        if self.native is not None:
+            probs, rows = self.native.propose(hidden, self.width, depth)  # [D, m] each
+            return HeadProposal(probs=probs, token_ids=self.projection.vocabulary_ids(rows))
         probs, ids = self.heads.propose(hidden, self.width, self.projection, depth=depth,
                                         products=self.products)  # [D, m] each
         return HeadProposal(probs=probs, token_ids=ids)

@@ -1267,7 +1267,7 @@ std::vector<torch::Tensor> draft_head(torch::Tensor hidden, torch::Tensor extra,
   TORCH_CHECK(size % LANES == 0 && projection.in == size, "hidden width ", size);
   TORCH_CHECK(mix == nullptr || (mix->in == size + wide && mix->out == size), "mix shape");
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
-  torch::Tensor x = h.expand({rows, size}).contiguous();  // [B, H]
+  torch::Tensor x = h.expand({rows, size}).clone(at::MemoryFormat::Contiguous);  // [B, H], never the caller's hidden
   float* xs = x.data_ptr<float>();
   torch::Tensor t = torch::empty({rows, size}, opts);
   if (mix != nullptr) {
@@ -1289,6 +1289,42 @@ std::vector<torch::Tensor> draft_head(torch::Tensor hidden, torch::Tensor extra,
   for (int64_t r = 0; r < rows; ++r)
     softmax_top(logits.data_ptr<float>() + r * vocab, vocab, width, probs.data_ptr<float>() + r * width,
                 indices.data_ptr<int64_t>() + r * width);
+  return {probs, indices};
+}
+
+// Medusa's heads at one hidden state [H], fp32: head d's state is hidden + silu(first_d(hidden)) (every
+// head's first ResBlock stacked in `first`: [D*H, H]), then + silu(block(state)) for each of its later
+// blocks (`later`: D lists); one projection of all D states over its rows, and head d's `width` most
+// probable of its first rows[d] rows of softmax -> (probabilities [D, width], projection rows [D, width])
+std::vector<torch::Tensor> medusa_heads(torch::Tensor hidden, const Weight& first,
+                                        const std::vector<std::vector<Weight*>>& later, const Weight& projection,
+                                        const std::vector<int64_t>& rows, int64_t width) {
+  auto h = hidden.to(torch::kFloat32).contiguous();
+  const int64_t size = h.numel(), depth = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(size % LANES == 0 && first.in == size && first.out == depth * size && projection.in == size &&
+              static_cast<int64_t>(later.size()) == depth, "Medusa heads' shapes");
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  torch::Tensor states = h.expand({depth, size}).clone(at::MemoryFormat::Contiguous);  // [D, H], a copy
+  torch::Tensor t = torch::empty({depth, size}, opts);
+  float* xs = states.data_ptr<float>();
+  matmul_into(h.data_ptr<float>(), 1, first, t.data_ptr<float>());  // [1, D*H]: every head's first block
+  add_silu(xs, t.data_ptr<float>(), depth * size);
+  for (int64_t d = 0; d < depth; ++d)
+    for (const Weight* block : later[d]) {
+      TORCH_CHECK(block->in == size && block->out == size, "block shape");
+      matmul_into(xs + d * size, 1, *block, t.data_ptr<float>());
+      add_silu(xs + d * size, t.data_ptr<float>(), size);
+    }
+  const int64_t vocab = projection.out;
+  for (int64_t r : rows) TORCH_CHECK(r > 0 && r <= vocab, "head rows ", r);
+  width = std::min(width, *std::min_element(rows.begin(), rows.end()));
+  torch::Tensor logits = torch::empty({depth, vocab}, opts);
+  matmul_into(xs, depth, projection, logits.data_ptr<float>());
+  torch::Tensor probs = torch::empty({depth, width}, opts);
+  torch::Tensor indices = torch::empty({depth, width}, torch::TensorOptions().dtype(torch::kInt64));
+  for (int64_t d = 0; d < depth; ++d)
+    softmax_top(logits.data_ptr<float>() + d * vocab, rows[d], width, probs.data_ptr<float>() + d * width,
+                indices.data_ptr<int64_t>() + d * width);
   return {probs, indices};
 }
 
@@ -1697,6 +1733,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefix_step", &prefix_step, "a drafter's causal layer without positions: new rows into its cache, the last one's output",
         py::arg("hidden"), py::arg("keys"), py::arg("values"), py::arg("past"), py::arg("attn_norm"), py::arg("qkv"),
         py::arg("out"), py::arg("mlp_norm"), py::arg("gate_up"), py::arg("down"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("medusa_heads", &medusa_heads, "Medusa's heads at one hidden state: (probabilities, projection rows) of each head's top guesses",
+        py::arg("hidden"), py::arg("first"), py::arg("later"), py::arg("projection"), py::arg("rows"), py::arg("width"),
         py::call_guard<py::gil_scoped_release>());
   m.def("draft_head", &draft_head, "one depth of a residual draft head: (probabilities, projection rows) of its top guesses",
         py::arg("hidden"), py::arg("extra"), py::arg("mix"), py::arg("blocks"), py::arg("projection"), py::arg("width"),
