@@ -15,7 +15,8 @@ from core.engine.build import load_kernels
 from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, KernelProduct, q8_0_rows, random_weight
 from core.engine.lean import LeanLlama
 from core.model import CACHE_DIR, ModelConfig, load_base_model
-from tests.tiny import greedy_reference, tiny_base, tiny_gguf_base, tiny_gguf_blocks, tiny_heads, tiny_hydra
+from tests.tiny import (greedy_reference, tiny_base, tiny_eagle, tiny_gguf_base, tiny_gguf_blocks, tiny_heads,
+                        tiny_hydra)
 
 KERNELS = load_kernels(CACHE_DIR)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the exact kernels could not be built on this machine")
@@ -344,6 +345,46 @@ def test_hydra_heads_on_the_kernels_grow_the_tree_torch_grows():
         native_last, native_cache = drafter.heads.prefix.native_extend(native_cache, states[start:end])
         assert torch.allclose(native_last, last, atol=1e-4, rtol=1e-4)
         assert torch.allclose(native_cache.keys, cache.keys, atol=1e-5) and native_cache.length == end
+
+
+@needs_kernels
+def test_eagle_depths_in_one_native_call_are_the_layers_own():
+    """On the exact engine each depth of EAGLE's draft is one native call: the same states, keys and values
+    as the layer's torch glue over the same kernel products (fp32), the same top guesses, whatever the
+    ancestors; the tree it grows equals the torch-grown one, and decoding stays plain greedy."""
+    from core.drafters.eagle import grow_eagle_tree
+    base = tiny_base("llama")
+    layer = tiny_eagle(base)
+    prompt = list(range(40, 60))
+    plain = decode(base, None, prompt, DecodeConfig(spec="ar", max_new_tokens=24)).output_ids
+    session = decode(base, layer, prompt, DecodeConfig(spec="eagle:12", max_new_tokens=24))
+    assert session.output_ids == plain
+    drafter = session.heads_drafter
+    assert drafter.native is not None
+    size = base.model.config.hidden_size
+    generator = torch.Generator().manual_seed(6)
+    parents, embeds = torch.randn(3, size, generator=generator), torch.randn(3, size, generator=generator)
+    first = drafter.native.depth(drafter.cache, parents[:2], embeds[:2], 1, None, torch.zeros(2, 0, dtype=torch.bool), 4)
+    ancestors = torch.tensor([[True, False], [False, True], [True, False]])
+    mine = drafter.native.depth(drafter.cache, parents, embeds, 2, first[1:3], ancestors, 4)
+    theirs = drafter.layer.draft(drafter.cache, parents, embeds, 2, first[1:3], ancestors)
+    for native, expected in zip(mine[:3], theirs):
+        assert torch.allclose(native, expected, atol=1e-4, rtol=1e-4)
+    top = torch.softmax(drafter.projection.logits(drafter.layer.draft_states(theirs[0]), 3), dim=-1).topk(4)
+    assert torch.equal(mine[4], top.indices) and torch.allclose(mine[3], top.values, atol=1e-5, rtol=1e-4)
+    features = torch.randn(5, 3 * size, generator=generator)
+    following = torch.randn(5, size, generator=generator)
+    cache = native_cache = None
+    for start, end in ((0, 2), (2, 3), (3, 5)):  # the accepted positions a step adds, native and in torch
+        last, cache = drafter.layer.extend(cache, features[start:end], following[start:end], last_only=True)
+        native_last, native_cache = drafter.native.extend(native_cache, features[start:end], following[start:end])
+        assert torch.allclose(native_last, last, atol=1e-4, rtol=1e-4) and native_cache.length == end
+        assert torch.allclose(native_cache.keys, cache.keys, atol=1e-5)
+        assert torch.allclose(native_cache.values, cache.values, atol=1e-5)
+    root = torch.randn(size, generator=generator)
+    grown = [grow_eagle_tree(drafter.layer, drafter.embed, drafter.projection, drafter.cache, root, budget=10,
+                             width=4, beam=4, depth=4, native=native) for native in (None, drafter.native)]
+    assert grown[0].tree.paths == grown[1].tree.paths and torch.equal(grown[0].token_table, grown[1].token_table)
 
 
 @needs_kernels

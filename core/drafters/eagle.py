@@ -35,7 +35,9 @@ On-disk format (`assets/eagle/`): `config.json` (EagleConfig, "family": "eagle")
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -326,9 +328,72 @@ def shipped_eagle(base: BaseModel) -> tuple[EagleLayer | None, str]:
     return layer, ("an EAGLE draft layer from assets/eagle" if layer is not None else "")
 
 
+NATIVE_DRAFTING = True  # on the exact engine, each depth one native call (`NativeEagle`)
+
+
+@dataclass(frozen=True)
+class NativeEagle:
+    """A draft layer whose products all run on the exact engine's kernels, so that each depth is one
+    native call (`eagle_depth`: the layer over the frontier rows, the projection of its normed output
+    and each row's top guesses) instead of some forty torch operators on a few rows; fp32."""
+
+    kernels: ModuleType
+    layer: EagleLayer
+    weights: tuple[object, ...]  # q, kv, o, gate_up, down
+    fuse: object
+    projections: tuple[object, ...]  # per depth 1..EAGLE_DEPTH: the rows it ranks
+
+    @classmethod
+    def of(cls, layer: EagleLayer, projection: DraftProjection) -> "NativeEagle | None":
+        """The kernel weights of `layer` (a drafting copy from `linears_on_kernels`) and `projection`,
+        or None when any of them is not a kernel product."""
+        products = [getattr(getattr(layer, name), "product", None)
+                    for name in ("q", "kv", "o", "gate_up", "down", "fuse")]
+        products += [projection.products.get(projection.rows_at(d)) for d in range(1, EAGLE_DEPTH + 1)]
+        if not all(hasattr(p, "kernels") and hasattr(p, "weight") for p in products):
+            return None
+        if layer.config.head_dim % 16 or layer.config.hidden_size % 16:  # the native call's vector width
+            return None
+        weights = [p.weight for p in products]
+        return cls(kernels=products[0].kernels, layer=layer, weights=tuple(weights[:5]), fuse=weights[5],
+                   projections=tuple(weights[6:]))
+
+    def extend(self, cache: KVRows | None, features: torch.Tensor, next_embeds: torch.Tensor
+               ) -> tuple[torch.Tensor, KVRows]:
+        """`EagleLayer.extend(..., last_only=True)` as one native call: the last position's state [1, H]
+        and the longer cache (its keys and values written where they are kept)."""
+        layer, config = self.layer, self.layer.config
+        cache = cache or KVRows.empty(config.kv_heads, config.head_dim)
+        store = cache.room_for(features.shape[0])
+        positions = torch.arange(cache.length, cache.length + features.shape[0])
+        cos, sin = layer._rotation(positions, torch.float32)  # [1, n, d] each
+        norms = [layer.embed_norm.weight, layer.attn_norm.weight, layer.mlp_norm.weight]
+        last = self.kernels.eagle_extend(features, next_embeds, cos[0], sin[0], store.keys, store.values,
+                                         cache.length, norms, [self.fuse, *self.weights], config.num_heads,
+                                         config.eps)  # [H]
+        return last[None].to(features.dtype), cache.written(store, features.shape[0])
+
+    def depth(self, cache: KVRows, parents: torch.Tensor, embeds: torch.Tensor, depth: int,
+              draft: tuple[torch.Tensor, torch.Tensor] | None, ancestors: torch.Tensor, width: int
+              ) -> tuple[torch.Tensor, ...]:
+        """`EagleLayer.draft` at `depth` (parents, embeds [B, H]; draft keys and values [kvh, M, d] that
+        `ancestors` [B, M] marks), then the top `width` of the projection for depth + 1: (states [B, H],
+        keys, values [kvh, B, d], probabilities [B, width], projection rows [B, width])."""
+        layer, config = self.layer, self.layer.config
+        cos, sin = layer._rotation(torch.tensor([cache.length - 1 + depth]), torch.float32)  # [1, 1, d] each
+        none = cache.keys.new_zeros(cache.keys.shape[0], 0, cache.keys.shape[2])  # [kvh, 0, d]
+        draft_k, draft_v = draft if draft is not None else (none, none)
+        norms = [layer.embed_norm.weight, layer.attn_norm.weight, layer.mlp_norm.weight, layer.out_norm.weight]
+        return self.kernels.eagle_depth(
+            parents, embeds, cos.flatten(), sin.flatten(), cache.keys.float(), cache.values.float(), draft_k,
+            draft_v, ancestors, norms, list(self.weights), self.projections[depth], config.num_heads, width,
+            config.eps)  # projections[depth]: the rows depth + 1 ranks
+
+
 @torch.inference_mode()
 def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: KVRows,
-                     root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> Growth:
+                     root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int,
+                     native: NativeEagle | None = None) -> Growth:
     """EAGLE-2's expansion: the root's children from `root_state` [H] (the layer's output at the last
     accepted position, which read the root token), then depth by depth the `beam` best nodes by
     joint probability expanded by one batched `draft` call (`width` children of the root, `min(width,
@@ -337,7 +402,11 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     dtype = root_state.dtype
     root_logits = projection.logits(layer.draft_states(root_state[None]), 1)  # [1, rows at depth 1]
     probs, ids = ranked(root_logits, width, projection)  # [1, width]
-    level = [GrownNode(path=(c,), tokens=(t,), score=p) for c, (p, t) in enumerate(zip(probs[0].tolist(), ids[0].tolist()))]
+    # a child ranked `budget` or lower has `budget` siblings scoring at least as much: it can enter neither
+    # the cut nor a frontier (only the heads table reads that far)
+    kept = min(probs.shape[1], budget)
+    level = [GrownNode(path=(c,), tokens=(t,), score=p)
+             for c, (p, t) in enumerate(zip(probs[0, :kept].tolist(), ids[0, :kept].tolist()))]
     growth = Growth(nodes=list(level), greedy_probs=[probs[0]], greedy_ids=[ids[0]])
     parent_state = {(): root_state}
     draft_k = draft_v = None
@@ -353,16 +422,21 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
         for row, node in enumerate(frontier):
             for d in range(1, len(node.path)):
                 ancestors[row, index_of[node.path[:d]]] = True
-        out, k, v = layer.draft(cache, states, embeds, level_depth, None if draft_k is None else (draft_k, draft_v),
-                                ancestors)
+        drafted = None if draft_k is None else (draft_k, draft_v)
+        if native is not None:
+            out, k, v, probs, rows = native.depth(cache, states, embeds, level_depth, drafted, ancestors,
+                                                  min(width, beam))  # [B, H], [kvh, B, d] x 2, [B, children] x 2
+            ids = projection.vocabulary_ids(rows)
+        else:
+            out, k, v = layer.draft(cache, states, embeds, level_depth, drafted, ancestors)
+            probs, ids = ranked(projection.logits(layer.draft_states(out), level_depth + 1), min(width, beam),
+                                projection)  # [B, children]
         for row, node in enumerate(frontier):
             index_of[node.path] = known + row
             parent_state[node.path] = out[row]
         draft_k = k if draft_k is None else torch.cat([draft_k, k], dim=1)
         draft_v = v if draft_v is None else torch.cat([draft_v, v], dim=1)
-        probs, ids = ranked(projection.logits(layer.draft_states(out), level_depth + 1), min(width, beam),
-                            projection)  # [B, children]
-        level = expand(frontier, probs.tolist(), ids.tolist())
+        level = expand(frontier, probs[:, :kept].tolist(), ids[:, :kept].tolist())
         growth.nodes += level
         top = max(range(len(frontier)), key=lambda r: frontier[r].score)
         growth.greedy_probs.append(probs[top])
@@ -371,10 +445,11 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
 
 
 def grow_eagle_tree(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: KVRows,
-                    root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int) -> GrownTree:
+                    root_state: torch.Tensor, *, budget: int, width: int, beam: int, depth: int,
+                    native: NativeEagle | None = None) -> GrownTree:
     """EAGLE-2's tree: `grow_eagle_nodes`, then the `budget` best nodes of all (the rerank)."""
     return grow_eagle_nodes(layer, embed, projection, cache, root_state, budget=budget, width=width, beam=beam,
-                            depth=depth).best(budget, kind="eagle")
+                            depth=depth, native=native).best(budget, kind="eagle")
 
 
 class EagleDrafter:
@@ -387,6 +462,7 @@ class EagleDrafter:
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         drafting, self.projection, self.dtype = heads_for_drafting(layer, base, products_on_kernels=True)
         self.layer = linears_on_kernels(drafting, base)
+        self.native = NativeEagle.of(self.layer, self.projection) if base.exact and NATIVE_DRAFTING else None
         self.embed = drafting_embedding(base, self.dtype)
         self.taps = layer.config.taps
         self.width, self.beam, self.depth, self.budget = width, beam, min(depth, EAGLE_DEPTH), budget
@@ -408,7 +484,7 @@ class EagleDrafter:
         budget = self.budget if context.max_nodes is None else max(1, min(self.budget, context.max_nodes))
         state = self._state(context)
         return grow_eagle_tree(self.layer, self.embed, self.projection, self.cache, state, budget=budget,
-                               width=self.width, beam=self.beam, depth=min(self.depth, budget))
+                               width=self.width, beam=self.beam, depth=min(self.depth, budget), native=self.native)
 
     @torch.inference_mode()
     def _state(self, context: DraftContext) -> torch.Tensor:
@@ -424,7 +500,8 @@ class EagleDrafter:
             # history row i is followed by token i of the answer's last `rows` tokens (the root last)
             following = torch.tensor(list(context.tokens[len(context.tokens) - rows + self.seen_rows:]),
                                      device=fresh.device)  # [n]
-            last, self.cache = self.layer.extend(self.cache, fresh, self.embed(following), last_only=True)  # [1, H]
+            extend = self.native.extend if self.native is not None else partial(self.layer.extend, last_only=True)
+            last, self.cache = extend(self.cache, fresh, self.embed(following))  # [1, H]
             self.seen_chunks, self.seen_rows, self.last_state = len(chunks), rows, last[0]
         return self.last_state
 

@@ -1328,6 +1328,220 @@ std::vector<torch::Tensor> medusa_heads(torch::Tensor hidden, const Weight& firs
   return {probs, indices};
 }
 
+// rms_norm_row over each of n rows
+void norm_rows(const float* x, const float* weight, float* y, int64_t n, int64_t h, float eps) {
+  for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, weight + 0, y + r * h, h, eps);
+}
+
+// x [d] rotated as the two-halves convention does it: x * cos + [-x2, x1] * sin (cos, sin [d])
+void rotate_halves(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float first = x[i], second = x[i + half];
+    x[i] = first * cos[i] + (-second) * sin[i];
+    x[i + half] = second * cos[i + half] + first * sin[i + half];
+  }
+}
+
+// One depth of EAGLE's draft layer (core/drafters/eagle.py, EagleLayer.draft, then the projection of its
+// normed output and each row's top guesses), fp32. B rows: parent states x [B, H] and their tokens'
+// embeddings e [B, H], all at one position (cos, sin [d]); each row's query heads attend the cache
+// (keys, values [kv_heads, L, d], any strides with contiguous rows), the draft keys and values [kv_heads, M, d] that
+// `ancestors` [B, M] marks, and the row's own key. Returns (states [B, H], keys, values [kv_heads, B, d],
+// probabilities [B, width], projection rows [B, width]).
+std::vector<torch::Tensor> eagle_depth(torch::Tensor parents, torch::Tensor embeds, torch::Tensor cos,
+                                       torch::Tensor sin, torch::Tensor cache_keys, torch::Tensor cache_values,
+                                       torch::Tensor draft_keys, torch::Tensor draft_values, torch::Tensor ancestors,
+                                       const std::vector<torch::Tensor>& norms, const std::vector<Weight*>& weights,
+                                       const Weight& projection, int64_t heads, int64_t width, double eps) {
+  auto x = parents.to(torch::kFloat32).contiguous();
+  auto e = embeds.to(torch::kFloat32).contiguous();
+  auto c = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
+  auto dk = draft_keys.to(torch::kFloat32).contiguous(), dv = draft_values.to(torch::kFloat32).contiguous();
+  auto seen = ancestors.to(torch::kBool).contiguous();
+  TORCH_CHECK(norms.size() == 4 && weights.size() == 5, "norms: embed, attn, mlp, out; weights: q, kv, o, gate_up, down");
+  const Weight &wq = *weights[0], &wkv = *weights[1], &wo = *weights[2], &wgu = *weights[3], &wdown = *weights[4];
+  const int64_t rows = x.size(0), size = x.size(1), kv_heads = cache_keys.size(0), length = cache_keys.size(1);
+  const int64_t d = cache_keys.size(2), drafted = dk.numel() ? dk.size(1) : 0, group = heads / kv_heads;
+  TORCH_CHECK(cache_keys.scalar_type() == torch::kFloat32 && cache_values.scalar_type() == torch::kFloat32 &&
+              cache_keys.stride(2) == 1 && cache_values.stride(2) == 1, "the cache: fp32, each row contiguous");
+  TORCH_CHECK(wq.in == 2 * size && wq.out == heads * d && wkv.out == 2 * kv_heads * d && wo.in == heads * d &&
+              wdown.out == size && d % LANES == 0 && size % LANES == 0 && seen.size(1) == drafted, "EAGLE shapes");
+  const float ep = static_cast<float>(eps);
+  std::vector<torch::Tensor> nw;
+  for (const auto& n : norms) nw.push_back(n.to(torch::kFloat32).contiguous());
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  torch::Tensor input = torch::empty({rows, 2 * size}, opts), q = torch::empty({rows, heads * d}, opts);
+  torch::Tensor kv = torch::empty({rows, 2 * kv_heads * d}, opts);
+  float* in = input.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    rms_norm_row(e.data_ptr<float>() + r * size, nw[0].data_ptr<float>(), in + r * 2 * size, size, ep);
+    rms_norm_row(x.data_ptr<float>() + r * size, nw[1].data_ptr<float>(), in + r * 2 * size + size, size, ep);
+  }
+  matmul_into(in, rows, wq, q.data_ptr<float>());
+  matmul_into(in, rows, wkv, kv.data_ptr<float>());
+  torch::Tensor keys = torch::empty({kv_heads, rows, d}, opts), values = torch::empty({kv_heads, rows, d}, opts);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* qr = q.data_ptr<float>() + r * heads * d;
+    for (int64_t h = 0; h < heads; ++h) rotate_halves(qr + h * d, c.data_ptr<float>(), sn.data_ptr<float>(), d);
+    const float* kvr = kv.data_ptr<float>() + r * 2 * kv_heads * d;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      float* kr = keys.data_ptr<float>() + (g * rows + r) * d;
+      std::memcpy(kr, kvr + g * d, d * 4);
+      rotate_halves(kr, c.data_ptr<float>(), sn.data_ptr<float>(), d);
+      std::memcpy(values.data_ptr<float>() + (g * rows + r) * d, kvr + (kv_heads + g) * d, d * 4);
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  torch::Tensor attended = torch::empty({rows, heads * d}, opts);
+  std::vector<float> scores(length + drafted + 1);
+  std::vector<const float*> key_at(length + drafted + 1), value_at(length + drafted + 1);
+  const bool* marks = seen.data_ptr<bool>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      int64_t total = 0;  // the keys row r sees: the cache, its marked ancestors, itself
+      for (int64_t t = 0; t < length; ++t, ++total) {
+        key_at[total] = cache_keys.data_ptr<float>() + g * cache_keys.stride(0) + t * cache_keys.stride(1);
+        value_at[total] = cache_values.data_ptr<float>() + g * cache_values.stride(0) + t * cache_values.stride(1);
+      }
+      for (int64_t m = 0; m < drafted; ++m)
+        if (marks[r * drafted + m]) {
+          key_at[total] = dk.data_ptr<float>() + (g * drafted + m) * d;
+          value_at[total++] = dv.data_ptr<float>() + (g * drafted + m) * d;
+        }
+      key_at[total] = keys.data_ptr<float>() + (g * rows + r) * d;
+      value_at[total++] = values.data_ptr<float>() + (g * rows + r) * d;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = q.data_ptr<float>() + r * heads * d + h * d;
+        float peak = -INFINITY;
+        for (int64_t t = 0; t < total; ++t) {
+          v16f acc{};
+          for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(qh + i), vload(key_at[t] + i), acc);
+          scores[t] = hsum(acc) * scale;
+          peak = std::max(peak, scores[t]);
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
+        float* out = attended.data_ptr<float>() + r * heads * d + h * d;
+        for (int64_t i = 0; i < d; i += LANES) {
+          v16f acc{};
+          for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(value_at[t] + i), acc);
+          vstore(out + i, acc * (1.0f / sum));
+        }
+      }
+    }
+  torch::Tensor states = x.clone();  // [B, H]
+  float* st = states.data_ptr<float>();
+  torch::Tensor delta = torch::empty({rows, size}, opts), normed = torch::empty({rows, size}, opts);
+  torch::Tensor mlp = torch::empty({rows, wgu.out}, opts), act = torch::empty({rows, wdown.in}, opts);
+  matmul_into(attended.data_ptr<float>(), rows, wo, delta.data_ptr<float>());
+  add_into_rows(st, delta.data_ptr<float>(), rows * size);
+  norm_rows(st, nw[2].data_ptr<float>(), normed.data_ptr<float>(), rows, size, ep);
+  matmul_into(normed.data_ptr<float>(), rows, wgu, mlp.data_ptr<float>());
+  const int64_t inner = wdown.in;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* m = mlp.data_ptr<float>() + r * 2 * inner;
+    float* a = act.data_ptr<float>() + r * inner;
+    for (int64_t i = 0; i < inner; ++i) a[i] = m[i] / (1.0f + std::exp(-m[i])) * m[inner + i];
+  }
+  matmul_into(act.data_ptr<float>(), rows, wdown, delta.data_ptr<float>());
+  add_into_rows(st, delta.data_ptr<float>(), rows * size);
+  norm_rows(st, nw[3].data_ptr<float>(), normed.data_ptr<float>(), rows, size, ep);
+  const int64_t vocab = projection.out;
+  width = std::min(width, vocab);
+  torch::Tensor logits = torch::empty({rows, vocab}, opts);
+  matmul_into(normed.data_ptr<float>(), rows, projection, logits.data_ptr<float>());
+  torch::Tensor probs = torch::empty({rows, width}, opts);
+  torch::Tensor indices = torch::empty({rows, width}, torch::TensorOptions().dtype(torch::kInt64));
+  for (int64_t r = 0; r < rows; ++r)
+    softmax_top(logits.data_ptr<float>() + r * vocab, vocab, width, probs.data_ptr<float>() + r * width,
+                indices.data_ptr<int64_t>() + r * width);
+  return {states, keys, values, probs, indices};
+}
+
+// EAGLE's draft layer over n accepted positions (EagleLayer.extend with last_only): features [n, 3H]
+// fused to x, the embeddings e [n, H] of the tokens after them, positions' cos, sin [n, d]; every row's
+// rotated key and its value enter the cache (keys, values [kv_heads, capacity, d] contiguous, rows
+// [0, past) filled; the caller makes room), and the last row's output state comes back [H].
+torch::Tensor eagle_extend(torch::Tensor features, torch::Tensor embeds, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor keys, torch::Tensor values, int64_t past,
+                           const std::vector<torch::Tensor>& norms, const std::vector<Weight*>& weights,
+                           int64_t heads, double eps) {
+  auto f = features.to(torch::kFloat32).contiguous();
+  auto e = embeds.to(torch::kFloat32).contiguous();
+  auto c = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(norms.size() == 3 && weights.size() == 6, "norms: embed, attn, mlp; weights: fuse, q, kv, o, gate_up, down");
+  const Weight &wf = *weights[0], &wq = *weights[1], &wkv = *weights[2], &wo = *weights[3], &wgu = *weights[4],
+               &wdown = *weights[5];
+  const int64_t n = f.size(0), size = wf.out, kv_heads = keys.size(0), capacity = keys.size(1), d = keys.size(2);
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous() &&
+              values.sizes() == keys.sizes() && past + n <= capacity && n > 0, "the cache: contiguous fp32 with room");
+  TORCH_CHECK(wf.in == f.size(1) && wq.in == 2 * size && wq.out == heads * d && wkv.out == 2 * kv_heads * d &&
+              c.size(0) == n && c.size(1) == d && d % LANES == 0 && size % LANES == 0, "EAGLE shapes");
+  const float ep = static_cast<float>(eps);
+  std::vector<torch::Tensor> nw;
+  for (const auto& w : norms) nw.push_back(w.to(torch::kFloat32).contiguous());
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  torch::Tensor x = torch::empty({n, size}, opts), input = torch::empty({n, 2 * size}, opts);
+  torch::Tensor kv = torch::empty({n, 2 * kv_heads * d}, opts), q = torch::empty({1, heads * d}, opts);
+  matmul_into(f.data_ptr<float>(), n, wf, x.data_ptr<float>());
+  float* in = input.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    rms_norm_row(e.data_ptr<float>() + r * size, nw[0].data_ptr<float>(), in + r * 2 * size, size, ep);
+    rms_norm_row(x.data_ptr<float>() + r * size, nw[1].data_ptr<float>(), in + r * 2 * size + size, size, ep);
+  }
+  matmul_into(in, n, wkv, kv.data_ptr<float>());
+  matmul_into(in + (n - 1) * 2 * size, 1, wq, q.data_ptr<float>());  // the last row's queries only
+  float* key_data = keys.data_ptr<float>();
+  float* value_data = values.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* kvr = kv.data_ptr<float>() + r * 2 * kv_heads * d;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      float* kr = key_data + (g * capacity + past + r) * d;
+      std::memcpy(kr, kvr + g * d, d * 4);
+      rotate_halves(kr, c.data_ptr<float>() + r * d, sn.data_ptr<float>() + r * d, d);
+      std::memcpy(value_data + (g * capacity + past + r) * d, kvr + (kv_heads + g) * d, d * 4);
+    }
+  }
+  float* qs = q.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h) rotate_halves(qs + h * d, c.data_ptr<float>() + (n - 1) * d,
+                                                    sn.data_ptr<float>() + (n - 1) * d, d);
+  const int64_t total = past + n, group = heads / kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> attended(heads * d), scores(total);
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t g = h / group;
+    const float* hk = key_data + g * capacity * d;
+    const float* hv = value_data + g * capacity * d;
+    float peak = -INFINITY;
+    for (int64_t t = 0; t < total; ++t) {
+      v16f acc{};
+      for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(qs + h * d + i), vload(hk + t * d + i), acc);
+      scores[t] = hsum(acc) * scale;
+      peak = std::max(peak, scores[t]);
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
+    for (int64_t i = 0; i < d; i += LANES) {
+      v16f acc{};
+      for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(hv + t * d + i), acc);
+      vstore(attended.data() + h * d + i, acc * (1.0f / sum));
+    }
+  }
+  torch::Tensor y = x[n - 1].clone();  // [H]
+  float* ys = y.data_ptr<float>();
+  std::vector<float> delta(size), normed(size), mlp(wgu.out), act(wdown.in);
+  matmul_into(attended.data(), 1, wo, delta.data());
+  add_into_rows(ys, delta.data(), size);
+  rms_norm_row(ys, nw[2].data_ptr<float>(), normed.data(), size, ep);
+  matmul_into(normed.data(), 1, wgu, mlp.data());
+  const int64_t inner = wdown.in;
+  for (int64_t i = 0; i < inner; ++i) act[i] = mlp[i] / (1.0f + std::exp(-mlp[i])) * mlp[inner + i];
+  matmul_into(act.data(), 1, wdown, delta.data());
+  add_into_rows(ys, delta.data(), size);
+  return y;
+}
+
 // One step of a causal decoder layer without positions over a drafter's own cache (Hydra++'s prefix
 // layer): n new rows hidden [n, H] enter the cache (keys, values [heads, capacity, d] fp32, rows
 // [0, past) filled; the caller makes room), and the last row's output comes back [H]:
@@ -1736,6 +1950,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("medusa_heads", &medusa_heads, "Medusa's heads at one hidden state: (probabilities, projection rows) of each head's top guesses",
         py::arg("hidden"), py::arg("first"), py::arg("later"), py::arg("projection"), py::arg("rows"), py::arg("width"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eagle_extend", &eagle_extend, "EAGLE's draft layer over accepted positions: their keys and values into the cache, the last one's state",
+        py::arg("features"), py::arg("embeds"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"),
+        py::arg("past"), py::arg("norms"), py::arg("weights"), py::arg("heads"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eagle_depth", &eagle_depth, "one depth of EAGLE's draft layer: states, keys, values, and each row's top guesses",
+        py::arg("parents"), py::arg("embeds"), py::arg("cos"), py::arg("sin"), py::arg("cache_keys"),
+        py::arg("cache_values"), py::arg("draft_keys"), py::arg("draft_values"), py::arg("ancestors"), py::arg("norms"),
+        py::arg("weights"), py::arg("projection"), py::arg("heads"), py::arg("width"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("draft_head", &draft_head, "one depth of a residual draft head: (probabilities, projection rows) of its top guesses",
         py::arg("hidden"), py::arg("extra"), py::arg("mix"), py::arg("blocks"), py::arg("projection"), py::arg("width"),
