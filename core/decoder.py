@@ -255,7 +255,7 @@ class DecodeSession:
         if self.finished:
             raise RuntimeError(f"decoding has finished ({self.stop_reason})")
         clock = PhaseClock(self.base.device)
-        plan = self.controller.plan(self.config.budget, self.family.grows_tree)  # the drafters and node budget
+        plan = self.controller.plan(self.config.budget)  # the drafters and node budget
         max_depth = self._room() - 1  # deeper nodes would not fit the context
         self._text_seconds = 0.0
         heads, drafted = clock.time("heads", self._draft, plan, max_depth)

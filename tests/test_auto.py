@@ -367,24 +367,23 @@ def test_node_texts_are_timed_and_charged_to_the_step():
 def test_the_plan_decides_the_drafters_and_the_node_budget_once_per_step():
     """`plan` is the controller's one decision before drafting: a probe runs no drafter, a back-off
     runs the chains alone, and the node budget is the smaller of the strategy's and the draft
-    limit (a small one before any heads step); without `auto` every step drafts everything up to the budget."""
+    limit (a small one before any heads step: every node drafted costs, a grower's depths and a dynamic
+    tree's search alike); without `auto` every step drafts everything up to the budget."""
     from core.budget.controller import ControllerState, FixedBudget
-    fixed = FixedBudget().plan(40, grows=True)
+    fixed = FixedBudget().plan(40)
     assert (fixed.state, fixed.heads, fixed.chains, fixed.max_nodes) == (ControllerState.OFF, True, True, 40)
     auto = AutoBudget(profile=PROFILE)
-    first = auto.plan(40, grows=True)
+    first = auto.plan(40)
     assert first.state == ControllerState.NORMAL and first.heads and first.max_nodes == FIRST_DRAFT_LIMIT
-    assert auto.plan(40, grows=False).max_nodes == 40
     auto.steps = 1  # steps 1, 3, 5 probe until plain speed is measured
-    probe = auto.plan(40, grows=True)
+    probe = auto.plan(40)
     assert probe.state == "probing" and not probe.heads and not probe.chains
     auto.steps = 2
     draft = build_draft_tree(heads(), [], 16, 8, 4, None)
     auto.records = [record(draft.keep(size=3), [])]
-    assert auto.plan(40, grows=True).max_nodes == 6 and auto.plan(4, grows=True).max_nodes == 4
-    assert auto.plan(40, grows=False).max_nodes == 40  # ranked heads cost the same whatever the tree's size
+    assert auto.plan(40).max_nodes == 6 and auto.plan(4).max_nodes == 4
     auto.plain_until = 10
-    backing_off = auto.plan(40, grows=True)
+    backing_off = auto.plan(40)
     assert backing_off.state == "backing off" and not backing_off.heads and backing_off.chains
 
 

@@ -25,7 +25,7 @@ def _session_with_eos_at_second_token():
 
 def test_the_step_tree_stops_at_eos():
     session, proposal, greedy = _session_with_eos_at_second_token()
-    draft = session._build(proposal, [], session.controller.plan(session.config.budget, grows=False), max_depth=3)
+    draft = session._build(proposal, [], session.controller.plan(session.config.budget), max_depth=3)
     assert (0, 0, 0) not in draft.tree  # nothing below the EOS node
     outcome = session._accept(draft, session._verify(draft))
     assert outcome.accepted_tokens == greedy[1:3]  # g1, then EOS, and nothing after it
