@@ -42,6 +42,7 @@ gain), not through forgetting.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -241,19 +242,18 @@ class AutoBudget:
         state = self.state
         if state == ControllerState.PROBING:
             return StepPlan(state, heads=False, chains=False, max_nodes=0)
-        return StepPlan(state, heads=self.use_heads(), chains=True, max_nodes=min(budget, self.draft_limit()))
+        return StepPlan(state, heads=self.use_heads(state), chains=True, max_nodes=min(budget, self.draft_limit()))
 
     @property
     def costs(self) -> CorrectedProfile:
         """The verify costs the controller decides by: the profile, corrected by this run's steps."""
         return CorrectedProfile(self.profile, self.correction)
 
-    def use_heads(self) -> bool:
+    def use_heads(self, state: ControllerState | None = None) -> bool:
         """False while backing off (the heads cannot pay at the moment, or they spent the run's
-        loss allowance) or while probing; True for an exploring step."""
-        if self.steps < self.plain_until or self.probe_plain():
-            return False
-        return self.within_loss_allowance() or self.explore_due()
+        loss allowance) or while probing; True for an exploring step (`state`: this step's, when the
+        caller has it: reading it costs passes over the records)."""
+        return (state or self.state) in (ControllerState.NORMAL, ControllerState.EXPLORING)
 
     def explore_due(self) -> bool:
         """True once no tree ran for `explore_after` steps (the heads' evidence is getting stale)
@@ -287,7 +287,7 @@ class AutoBudget:
         63-node first draft, 2 ms on a 2-core Zen 5, put hydra:auto in back-off for 115 of 124 steps
         where hydra:3 ran 1.09x plain). A dynamic tree of 63 nodes costs 0.5 ms to build and choose
         from there (0.05-0.1 ms for 3). A tree that pays doubles the limit at the next step."""
-        sizes = [r.outcome.tree.num_nodes for r in self.records if _used_heads(r)][-DRAFT_LIMIT_STEPS:]
+        sizes = [r.outcome.tree.num_nodes for r in _last(self.records, _used_heads, DRAFT_LIMIT_STEPS)]
         return max(2, 2 * max(sizes)) if sizes else FIRST_DRAFT_LIMIT
 
     def _last_context(self) -> int | None:
@@ -309,7 +309,7 @@ class AutoBudget:
     def _plain_ms_per_token(self, context: int | None = None) -> float:
         """What a token costs without the heads: measured over this run's recent steps without
         them once MIN_CORRECTION_SAMPLES ran, else the corrected profile's plain step."""
-        recent = [r for r in self.records if not _used_heads(r)][-RATE_STEPS:]
+        recent = _last(self.records, lambda r: not _used_heads(r), RATE_STEPS)
         if len(recent) >= MIN_CORRECTION_SAMPLES:
             return 1000 * sum(r.times.charged for r in recent) / sum(len(r.new_tokens) for r in recent)
         return 1.0 / plain_rate(self.costs, self.overhead_ms(heads_used=False), context)
@@ -414,9 +414,9 @@ class AutoBudget:
         that verified the root alone are neither (they paid the drafting for a plain step's
         token) and count in no rate; tree steps from before the last back-off no longer count."""
         if heads_used:
-            recent = [r for r in self.records if _tree_step(r) and r.index >= self.evidence_from][-RATE_STEPS:]
+            recent = _last(self.records, lambda r: _tree_step(r) and r.index >= self.evidence_from, RATE_STEPS)
         else:
-            recent = [r for r in self.records if not _used_heads(r)][-RATE_STEPS:]
+            recent = _last(self.records, lambda r: not _used_heads(r), RATE_STEPS)
         if len(recent) < MIN_RATE_STEPS:
             return None
         return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.charged for r in recent))
@@ -446,6 +446,12 @@ class AutoBudget:
         if not heads_used and tree_recent:
             return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
         return 2.0
+
+
+def _last(records: list[StepRecord], keep: Callable[[StepRecord], bool], count: int) -> list[StepRecord]:
+    """The last `count` of `records` that `keep` keeps (newest first): read from the end, so a rate over
+    24 plain steps reads ~24 records, not the window's 96 (the controller reads several a step)."""
+    return list(itertools.islice((r for r in reversed(records) if keep(r)), count))
 
 
 def _used_heads(record: StepRecord) -> bool:
