@@ -1328,6 +1328,46 @@ std::vector<torch::Tensor> medusa_heads(torch::Tensor hidden, const Weight& firs
   return {probs, indices};
 }
 
+// One query q [d] over `total` keys and values (key_at(t), value_at(t): rows of d numbers), the softmax in
+// key order (scores: room for `total`) -> out [d]
+template <typename KeyAt, typename ValueAt>
+void attend_query(const float* q, int64_t total, int64_t d, float scale, const KeyAt& key_at, const ValueAt& value_at,
+                  float* scores, float* out) {
+  float peak = -INFINITY;
+  for (int64_t t = 0; t < total; ++t) {
+    v16f acc{};
+    for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(q + i), vload(key_at(t) + i), acc);
+    scores[t] = hsum(acc) * scale;
+    peak = std::max(peak, scores[t]);
+  }
+  float sum = 0.0f;
+  for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
+  for (int64_t i = 0; i < d; i += LANES) {
+    v16f acc{};
+    for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(value_at(t) + i), acc);
+    vstore(out + i, acc * (1.0f / sum));
+  }
+}
+
+// A decoder layer's end on `rows` rows y [rows, H] (the residual so far): y += o(attended), then
+// y += down(silu(gate) * up), gate | up = gate_up(norm(y) * mlp_norm)
+void finish_layer(float* y, const float* attended, int64_t rows, const Weight& o, const float* mlp_norm,
+                  const Weight& gate_up, const Weight& down, float eps) {
+  const int64_t size = down.out, inner = down.in;
+  std::vector<float> delta(rows * size), normed(rows * size), mlp(rows * gate_up.out), act(rows * inner);
+  matmul_into(attended, rows, o, delta.data());
+  add_into_rows(y, delta.data(), rows * size);
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(y + r * size, mlp_norm, normed.data() + r * size, size, eps);
+  matmul_into(normed.data(), rows, gate_up, mlp.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < inner; ++i) {
+      const float gate = mlp[r * 2 * inner + i];
+      act[r * inner + i] = gate / (1.0f + std::exp(-gate)) * mlp[r * 2 * inner + inner + i];
+    }
+  matmul_into(act.data(), rows, down, delta.data());
+  add_into_rows(y, delta.data(), rows * size);
+}
+
 // rms_norm_row over each of n rows
 void norm_rows(const float* x, const float* weight, float* y, int64_t n, int64_t h, float eps) {
   for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, weight + 0, y + r * h, h, eps);
@@ -1411,41 +1451,15 @@ std::vector<torch::Tensor> eagle_depth(torch::Tensor parents, torch::Tensor embe
         }
       key_at[total] = keys.data_ptr<float>() + (g * rows + r) * d;
       value_at[total++] = values.data_ptr<float>() + (g * rows + r) * d;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const float* qh = q.data_ptr<float>() + r * heads * d + h * d;
-        float peak = -INFINITY;
-        for (int64_t t = 0; t < total; ++t) {
-          v16f acc{};
-          for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(qh + i), vload(key_at[t] + i), acc);
-          scores[t] = hsum(acc) * scale;
-          peak = std::max(peak, scores[t]);
-        }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
-        float* out = attended.data_ptr<float>() + r * heads * d + h * d;
-        for (int64_t i = 0; i < d; i += LANES) {
-          v16f acc{};
-          for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(value_at[t] + i), acc);
-          vstore(out + i, acc * (1.0f / sum));
-        }
-      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        attend_query(q.data_ptr<float>() + (r * heads + h) * d, total, d, scale,
+                     [&](int64_t t) { return key_at[t]; }, [&](int64_t t) { return value_at[t]; }, scores.data(),
+                     attended.data_ptr<float>() + (r * heads + h) * d);
     }
   torch::Tensor states = x.clone();  // [B, H]
   float* st = states.data_ptr<float>();
-  torch::Tensor delta = torch::empty({rows, size}, opts), normed = torch::empty({rows, size}, opts);
-  torch::Tensor mlp = torch::empty({rows, wgu.out}, opts), act = torch::empty({rows, wdown.in}, opts);
-  matmul_into(attended.data_ptr<float>(), rows, wo, delta.data_ptr<float>());
-  add_into_rows(st, delta.data_ptr<float>(), rows * size);
-  norm_rows(st, nw[2].data_ptr<float>(), normed.data_ptr<float>(), rows, size, ep);
-  matmul_into(normed.data_ptr<float>(), rows, wgu, mlp.data_ptr<float>());
-  const int64_t inner = wdown.in;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* m = mlp.data_ptr<float>() + r * 2 * inner;
-    float* a = act.data_ptr<float>() + r * inner;
-    for (int64_t i = 0; i < inner; ++i) a[i] = m[i] / (1.0f + std::exp(-m[i])) * m[inner + i];
-  }
-  matmul_into(act.data_ptr<float>(), rows, wdown, delta.data_ptr<float>());
-  add_into_rows(st, delta.data_ptr<float>(), rows * size);
+  finish_layer(st, attended.data_ptr<float>(), rows, wo, nw[2].data_ptr<float>(), wgu, wdown, ep);
+  torch::Tensor normed = torch::empty({rows, size}, opts);
   norm_rows(st, nw[3].data_ptr<float>(), normed.data_ptr<float>(), rows, size, ep);
   const int64_t vocab = projection.out;
   width = std::min(width, vocab);
@@ -1510,35 +1524,13 @@ torch::Tensor eagle_extend(torch::Tensor features, torch::Tensor embeds, torch::
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<float> attended(heads * d), scores(total);
   for (int64_t h = 0; h < heads; ++h) {
-    const int64_t g = h / group;
-    const float* hk = key_data + g * capacity * d;
-    const float* hv = value_data + g * capacity * d;
-    float peak = -INFINITY;
-    for (int64_t t = 0; t < total; ++t) {
-      v16f acc{};
-      for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(qs + h * d + i), vload(hk + t * d + i), acc);
-      scores[t] = hsum(acc) * scale;
-      peak = std::max(peak, scores[t]);
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
-    for (int64_t i = 0; i < d; i += LANES) {
-      v16f acc{};
-      for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(hv + t * d + i), acc);
-      vstore(attended.data() + h * d + i, acc * (1.0f / sum));
-    }
+    const float* hk = key_data + h / group * capacity * d;
+    const float* hv = value_data + h / group * capacity * d;
+    attend_query(qs + h * d, total, d, scale, [&](int64_t t) { return hk + t * d; },
+                 [&](int64_t t) { return hv + t * d; }, scores.data(), attended.data() + h * d);
   }
   torch::Tensor y = x[n - 1].clone();  // [H]
-  float* ys = y.data_ptr<float>();
-  std::vector<float> delta(size), normed(size), mlp(wgu.out), act(wdown.in);
-  matmul_into(attended.data(), 1, wo, delta.data());
-  add_into_rows(ys, delta.data(), size);
-  rms_norm_row(ys, nw[2].data_ptr<float>(), normed.data(), size, ep);
-  matmul_into(normed.data(), 1, wgu, mlp.data());
-  const int64_t inner = wdown.in;
-  for (int64_t i = 0; i < inner; ++i) act[i] = mlp[i] / (1.0f + std::exp(-mlp[i])) * mlp[inner + i];
-  matmul_into(act.data(), 1, wdown, delta.data());
-  add_into_rows(ys, delta.data(), size);
+  finish_layer(y.data_ptr<float>(), attended.data(), 1, wo, nw[2].data_ptr<float>(), wgu, wdown, ep);
   return y;
 }
 
@@ -1580,32 +1572,11 @@ torch::Tensor prefix_step(torch::Tensor hidden, torch::Tensor keys, torch::Tenso
   for (int64_t head = 0; head < heads; ++head) {
     const float* hk = key_data + head * capacity * d;
     const float* hv = value_data + head * capacity * d;
-    float peak = -INFINITY;
-    for (int64_t t = 0; t < total; ++t) {
-      v16f acc{};
-      for (int64_t i = 0; i < d; i += LANES) acc = vfma(vload(q + head * d + i), vload(hk + t * d + i), acc);
-      scores[t] = hsum(acc) * scale;
-      peak = std::max(peak, scores[t]);
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < total; ++t) sum += scores[t] = std::exp(scores[t] - peak);
-    for (int64_t i = 0; i < d; i += LANES) {
-      v16f acc{};
-      for (int64_t t = 0; t < total; ++t) acc = vfma(vset(scores[t]), vload(hv + t * d + i), acc);
-      vstore(attended.data() + head * d + i, acc * (1.0f / sum));
-    }
+    attend_query(q + head * d, total, d, scale, [&](int64_t t) { return hk + t * d; },
+                 [&](int64_t t) { return hv + t * d; }, scores.data(), attended.data() + head * d);
   }
   torch::Tensor y = x[n - 1].clone();  // [H]
-  float* ys = y.data_ptr<float>();
-  std::vector<float> delta(size), mlp(gate_up.out), act(down.in);
-  matmul_into(attended.data(), 1, out, delta.data());
-  add_into_rows(ys, delta.data(), size);
-  rms_norm_row(ys, mn.data_ptr<float>(), normed.data_ptr<float>(), size, e);
-  matmul_into(normed.data_ptr<float>(), 1, gate_up, mlp.data());
-  const int64_t inner = down.in;
-  for (int64_t i = 0; i < inner; ++i) act[i] = mlp[i] / (1.0f + std::exp(-mlp[i])) * mlp[inner + i];
-  matmul_into(act.data(), 1, down, delta.data());
-  add_into_rows(ys, delta.data(), size);
+  finish_layer(y.data_ptr<float>(), attended.data(), 1, out, mn.data_ptr<float>(), gate_up, down, e);
   return y;
 }
 
