@@ -25,8 +25,8 @@ layer (attention without positional encoding, then a gated MLP, each zero-initia
 output so a fresh layer is the identity) over the base model's hidden states of the answer so
 far, from the one that predicted its first token; its output at the last position replaces `h`
 above, so every head sees more than the last hidden state. At decode time the drafter keeps the
-layer's keys and values (`core.drafters.layers.KVRows`) and extends them with each step's accepted positions:
-a rejected node never enters, so nothing is rolled back.
+layer's keys and values (`core.drafters.layers.KVRows`) and extends them with each step's accepted
+positions: a rejected node never enters, so nothing is rolled back.
 
 On-disk format (`assets/hydra/`): `config.json` (HydraConfig) and `heads.safetensors` with
 `heads.{k}.mix.weight/bias`, `heads.{k}.blocks.{l}.linear.weight/bias`, `draft_vocab`
