@@ -46,7 +46,8 @@ from torch.nn import functional as F
 
 from core.drafters.grown import GrownNode, GrownTree, Growth, deeper_could_enter, expand
 from core.drafters.interface import drafting_embedding, heads_for_drafting
-from core.drafters.layers import KVRows, RMSNorm, appended, linears_on_kernels, read_weights, save_weights
+from core.drafters.layers import (KVRows, RMSNorm, appended, linears_on_kernels, native_products, read_weights,
+                                  save_weights)
 from core.drafters.medusa import DraftProjection, draft_rows, ranked
 from core.model import REPO_ROOT
 
@@ -328,9 +329,6 @@ def shipped_eagle(base: BaseModel) -> tuple[EagleLayer | None, str]:
     return layer, ("an EAGLE draft layer from assets/eagle" if layer is not None else "")
 
 
-NATIVE_DRAFTING = True  # on the exact engine, each depth one native call (`NativeEagle`)
-
-
 @dataclass(frozen=True)
 class NativeEagle:
     """A draft layer whose products all run on the exact engine's kernels, so that each depth is one
@@ -339,24 +337,21 @@ class NativeEagle:
 
     kernels: ModuleType
     layer: EagleLayer
-    weights: tuple[object, ...]  # q, kv, o, gate_up, down
-    fuse: object
+    weights: tuple[object, ...]  # fuse, q, kv, o, gate_up, down (`eagle_depth` reads all but fuse)
     projections: tuple[object, ...]  # per depth 1..EAGLE_DEPTH: the rows it ranks
 
     @classmethod
     def of(cls, layer: EagleLayer, projection: DraftProjection) -> "NativeEagle | None":
         """The kernel weights of `layer` (a drafting copy from `linears_on_kernels`) and `projection`,
-        or None when any of them is not a kernel product."""
-        products = [getattr(getattr(layer, name), "product", None)
-                    for name in ("q", "kv", "o", "gate_up", "down", "fuse")]
-        products += [projection.products.get(projection.rows_at(d)) for d in range(1, EAGLE_DEPTH + 1)]
-        if not all(hasattr(p, "kernels") and hasattr(p, "weight") for p in products):
+        or None where they cannot draft natively (`core.drafters.layers.native_products`)."""
+        linears = [layer.fuse, layer.q, layer.kv, layer.o, layer.gate_up, layer.down]
+        rows = [projection.products.get(projection.rows_at(d)) for d in range(1, EAGLE_DEPTH + 1)]
+        products = native_products(linears + rows, [layer.config.head_dim, layer.config.hidden_size])
+        if products is None:
             return None
-        if layer.config.head_dim % 16 or layer.config.hidden_size % 16:  # the native call's vector width
-            return None
-        weights = [p.weight for p in products]
-        return cls(kernels=products[0].kernels, layer=layer, weights=tuple(weights[:5]), fuse=weights[5],
-                   projections=tuple(weights[6:]))
+        weights = [product.weight for product in products]
+        return cls(kernels=products[0].kernels, layer=layer, weights=tuple(weights[:len(linears)]),
+                   projections=tuple(weights[len(linears):]))
 
     def extend(self, cache: KVRows | None, features: torch.Tensor, next_embeds: torch.Tensor
                ) -> tuple[torch.Tensor, KVRows]:
@@ -369,8 +364,7 @@ class NativeEagle:
         cos, sin = layer._rotation(positions, torch.float32)  # [1, n, d] each
         norms = [layer.embed_norm.weight, layer.attn_norm.weight, layer.mlp_norm.weight]
         last = self.kernels.eagle_extend(features, next_embeds, cos[0], sin[0], store.keys, store.values,
-                                         cache.length, norms, [self.fuse, *self.weights], config.num_heads,
-                                         config.eps)  # [H]
+                                         cache.length, norms, list(self.weights), config.num_heads, config.eps)  # [H]
         return last[None].to(features.dtype), cache.written(store, features.shape[0])
 
     def depth(self, cache: KVRows, parents: torch.Tensor, embeds: torch.Tensor, depth: int,
@@ -386,7 +380,7 @@ class NativeEagle:
         norms = [layer.embed_norm.weight, layer.attn_norm.weight, layer.mlp_norm.weight, layer.out_norm.weight]
         return self.kernels.eagle_depth(
             parents, embeds, cos.flatten(), sin.flatten(), cache.keys.float(), cache.values.float(), draft_k,
-            draft_v, ancestors, norms, list(self.weights), self.projections[depth], config.num_heads, width,
+            draft_v, ancestors, norms, list(self.weights[1:]), self.projections[depth], config.num_heads, width,
             config.eps)  # projections[depth]: the rows depth + 1 ranks
 
 
@@ -402,11 +396,7 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     dtype = root_state.dtype
     root_logits = projection.logits(layer.draft_states(root_state[None]), 1)  # [1, rows at depth 1]
     probs, ids = ranked(root_logits, width, projection)  # [1, width]
-    # a child ranked `budget` or lower has `budget` siblings scoring at least as much: it can enter neither
-    # the cut nor a frontier (only the heads table reads that far)
-    kept = min(probs.shape[1], budget)
-    level = [GrownNode(path=(c,), tokens=(t,), score=p)
-             for c, (p, t) in enumerate(zip(probs[0, :kept].tolist(), ids[0, :kept].tolist()))]
+    level = expand([GrownNode(path=(), tokens=(), score=1.0)], probs.tolist(), ids.tolist(), budget=budget)
     growth = Growth(nodes=list(level), greedy_probs=[probs[0]], greedy_ids=[ids[0]])
     parent_state = {(): root_state}
     draft_k = draft_v = None
@@ -436,7 +426,7 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
             parent_state[node.path] = out[row]
         draft_k = k if draft_k is None else torch.cat([draft_k, k], dim=1)
         draft_v = v if draft_v is None else torch.cat([draft_v, v], dim=1)
-        level = expand(frontier, probs[:, :kept].tolist(), ids[:, :kept].tolist())
+        level = expand(frontier, probs.tolist(), ids.tolist(), budget=budget)
         growth.nodes += level
         top = max(range(len(frontier)), key=lambda r: frontier[r].score)
         growth.greedy_probs.append(probs[top])
@@ -462,7 +452,7 @@ class EagleDrafter:
     def __init__(self, layer: EagleLayer, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         drafting, self.projection, self.dtype = heads_for_drafting(layer, base, products_on_kernels=True)
         self.layer = linears_on_kernels(drafting, base)
-        self.native = NativeEagle.of(self.layer, self.projection) if base.exact and NATIVE_DRAFTING else None
+        self.native = NativeEagle.of(self.layer, self.projection)
         self.embed = drafting_embedding(base, self.dtype)
         self.taps = layer.config.taps
         self.width, self.beam, self.depth, self.budget = width, beam, min(depth, EAGLE_DEPTH), budget

@@ -71,12 +71,15 @@ def deeper_could_enter(frontier: list[GrownNode], grown: list[GrownNode], budget
     return any(node.score > kth for node in frontier)
 
 
-def expand(parents: list[GrownNode], probs: list[list[float]], ids: list[list[int]]) -> list[GrownNode]:
+def expand(parents: list[GrownNode], probs: list[list[float]], ids: list[list[int]],
+           budget: int | None = None) -> list[GrownNode]:
     """The children of `parents`: row r of `probs` / `ids` holds parent r's ranked guesses (best
-    first), each child scored by its parent's joint score times its own probability."""
+    first), each child scored by its parent's joint score times its own probability. With `budget`,
+    a parent's first `budget` children only: a child ranked lower has `budget` siblings scoring at
+    least as much, so it can enter neither the best-`budget` cut nor a frontier."""
     return [GrownNode(path=node.path + (c,), tokens=node.tokens + (t,), score=node.score * p)
             for node, row_probs, row_ids in zip(parents, probs, ids)
-            for c, (p, t) in enumerate(zip(row_probs, row_ids))]
+            for c, (p, t) in enumerate(zip(row_probs[:budget], row_ids[:budget]))]
 
 
 def grow_parallel(nodes: list[GrownNode], head_probs: torch.Tensor, head_ids: torch.Tensor, *, first_depth: int,

@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, Proposal, check_heads, drafting_embedding, heads_for_drafting
-from core.drafters.layers import (KVRows, RMSNorm, appended, linears_on_kernels, read_weights, save_weights,
-                                  take_draft_vocab)
+from core.drafters.layers import (KVRows, RMSNorm, appended, linears_on_kernels, native_products, read_weights,
+                                  save_weights, take_draft_vocab)
 from core.drafters.medusa import DraftProjection, ResBlock, checked_depth_vocab, draft_rows, ranked
 from core.model import REPO_ROOT, BaseModel
 from core.drafters.grown import GrownNode, GrownTree, Growth, expand
@@ -56,7 +56,6 @@ from core.tree import CandidateTree
 
 DEFAULT_HYDRA_DIR = REPO_ROOT / "assets" / "hydra"
 HYDRA_BEAM = DEFAULT_BEAM  # nodes expanded per depth (DecodeConfig.beam's default)
-NATIVE_DRAFTING = True  # on the exact engine, each depth one native call (`NativeHeads`)
 
 
 @dataclass(frozen=True)
@@ -139,10 +138,10 @@ class PrefixLayer(nn.Module):
         heads = self.num_heads
         cache = cache or KVRows.empty(heads, hidden.shape[-1] // heads)
         store = cache.room_for(hidden.shape[0])
-        last = _kernel_product(self.qkv).kernels.prefix_step(
-            hidden, store.keys, store.values, cache.length, self.attn_norm.weight, _kernel_product(self.qkv).weight,
-            _kernel_product(self.out).weight, self.mlp_norm.weight, _kernel_product(self.gate_up).weight,
-            _kernel_product(self.down).weight, self.attn_norm.eps)  # [H]
+        qkv, out, gate_up, down = native_products([self.qkv, self.out, self.gate_up, self.down])
+        last = qkv.kernels.prefix_step(hidden, store.keys, store.values, cache.length, self.attn_norm.weight,
+                                       qkv.weight, out.weight, self.mlp_norm.weight, gate_up.weight, down.weight,
+                                       self.attn_norm.eps)  # [H]
         return last[None].to(hidden.dtype), cache.written(store, hidden.shape[0])
 
     def extend(self, cache: KVRows | None, hidden: torch.Tensor, *, last_only: bool = False
@@ -251,22 +250,20 @@ class NativeHeads:
     @classmethod
     def of(cls, heads: HydraHeads, projection: DraftProjection) -> "NativeHeads | None":
         """The kernel weights of `heads` (a drafting copy from `linears_on_kernels`) and `projection`,
-        or None when any of them is not a kernel product (another engine, or a fallback)."""
-        products = [[_kernel_product(head.mix)] + [_kernel_product(b.linear) for b in head.blocks]
+        or None where they cannot draft natively (`core.drafters.layers.native_products`)."""
+        widths = [heads.config.hidden_size] + ([] if heads.prefix is None
+                                               else [heads.config.hidden_size // heads.prefix.num_heads])
+        per_head = [native_products([head.mix, *(block.linear for block in head.blocks)], widths)
                     for head in heads.heads]
-        if heads.prefix is not None:  # its step is native too (`PrefixLayer.native_extend`)
-            products += [[_kernel_product(getattr(heads.prefix, name)) for name in ("qkv", "out", "gate_up", "down")]]
-        products += [[projection.products.get(projection.rows_at(d)) for d in range(1, heads.config.num_heads + 1)]]
-        if not all(hasattr(p, "kernels") and hasattr(p, "weight") for row in products for p in row):
+        prefix = ([] if heads.prefix is None  # its step is native too (`PrefixLayer.native_extend`)
+                  else native_products([heads.prefix.qkv, heads.prefix.out, heads.prefix.gate_up, heads.prefix.down]))
+        projections = native_products([projection.products.get(projection.rows_at(d))
+                                       for d in range(1, heads.config.num_heads + 1)])
+        if prefix is None or projections is None or any(head is None for head in per_head):
             return None
-        lanes = 16  # the native calls' vector width: the hidden size and the prefix layer's head size
-        if heads.config.hidden_size % lanes or (heads.prefix is not None
-                                                 and heads.config.hidden_size // heads.prefix.num_heads % lanes):
-            return None
-        weights = [[p.weight for p in row] for row in products[:heads.config.num_heads]]
-        return cls(kernels=products[0][0].kernels, mixes=tuple(row[0] for row in weights),
-                   blocks=tuple(tuple(row[1:]) for row in weights),
-                   projections=tuple(p.weight for p in products[-1]))
+        return cls(kernels=projections[0].kernels, mixes=tuple(head[0].weight for head in per_head),
+                   blocks=tuple(tuple(p.weight for p in head[1:]) for head in per_head),
+                   projections=tuple(p.weight for p in projections))
 
     def children(self, depth: int, hidden: torch.Tensor, path_embeds: torch.Tensor, width: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,11 +271,6 @@ class NativeHeads:
         each row's path embeddings [B, depth, H]."""
         return self.kernels.draft_head(hidden, path_embeds.flatten(1), self.mixes[depth - 1],
                                        list(self.blocks[depth - 1]), self.projections[depth - 1], width)
-
-
-def _kernel_product(module: nn.Module) -> object:
-    """What a `KernelLinear` multiplies by (None for any other module)."""
-    return getattr(module, "product", None)
 
 
 def _children(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjection, hidden: torch.Tensor,
@@ -318,11 +310,8 @@ def grow_tree(heads: HydraHeads, embed: nn.Embedding, projection: DraftProjectio
         row = frontier.index(greedy)
         greedy_probs.append(probs[row])
         greedy_ids.append(ids[row])
-        # a parent's child ranked `budget` or lower has `budget` siblings scoring at least as much, so
-        # it can enter neither the cut nor a frontier: only the heads table reads that far
-        kept = min(probs.shape[1], budget)
-        level_nodes = expand(frontier, probs[:, :kept].tolist(), ids[:, :kept].tolist())  # kept per parent
-        greedy = level_nodes[row * kept]  # the greedy parent's best child
+        level_nodes = expand(frontier, probs.tolist(), ids.tolist(), budget=budget)  # frontier order
+        greedy = level_nodes[row * min(probs.shape[1], budget)]  # the greedy parent's best child
         grown += level_nodes
         # the best-first cut keeps at most `budget` nodes, so no deeper frontier is needed; the
         # greedy chain is always expanded, so the heads table shows one path's conditionals
@@ -346,7 +335,7 @@ class HydraDrafter:
     def __init__(self, heads: HydraHeads, base: BaseModel, *, width: int, beam: int, depth: int, budget: int) -> None:
         drafting, self.projection, self.dtype = heads_for_drafting(heads, base)
         self.heads = linears_on_kernels(drafting, base)  # on the exact engine, products through its kernels
-        self.native = NativeHeads.of(self.heads, self.projection) if base.exact and NATIVE_DRAFTING else None
+        self.native = NativeHeads.of(self.heads, self.projection)
         self.embed = drafting_embedding(base, self.dtype)
         self.width, self.beam, self.depth, self.budget = width, beam, depth, budget
         # the prefix layer's cache over context.history[:seen] (copy.copy of the drafter forks it:

@@ -6,12 +6,14 @@ import json
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, TypeVar
 
 import safetensors.torch
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from core.engine.exact import KernelProduct
 
 if TYPE_CHECKING:
     from core.model import BaseModel
@@ -139,6 +141,18 @@ class KernelLinear(nn.Module):
 
 
 DRAFTER_EIGHT_BIT = True  # drafters' own layers on the exact engine as Q8_0 blocks (`drafter_product`)
+NATIVE_DRAFTING = True  # on the exact engine, each drafter's proposal in a few native calls (`native_products`)
+NATIVE_LANES = 16  # the native drafting calls' vector width: every width they read is whole vectors
+
+
+def native_products(items: Iterable[object], widths: Iterable[int] = ()) -> list[KernelProduct] | None:
+    """The exact kernels' products behind `items` (each a product, or a `KernelLinear` over one) for a
+    drafter's native calls, or None when native drafting is off, any item is something else (another
+    engine, a fallback, a missing row count) or any of `widths` is not whole NATIVE_LANES vectors."""
+    products = [getattr(item, "product", item) for item in items]
+    if not NATIVE_DRAFTING or not all(isinstance(p, KernelProduct) for p in products):
+        return None
+    return None if any(width % NATIVE_LANES for width in widths) else products
 
 
 def drafter_product(base: "BaseModel", weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.drafters.interface import Chain, DraftContext, HeadProposal, check_heads, heads_for_drafting
-from core.drafters.layers import BuiltOnce, drafter_product, read_weights, save_weights, take_draft_vocab
+from core.drafters.layers import (BuiltOnce, drafter_product, native_products, read_weights, save_weights,
+                                  take_draft_vocab)
 from core.engine import Matmul, fastest, median_ms, time_kernels
 from core.model import REPO_ROOT, BaseModel, linear_rows
 from core.strategy import MAX_TOP_M
@@ -434,9 +435,6 @@ def kernel_residual_products(heads: MedusaHeads, base: BaseModel) -> ResidualPro
     return _PRODUCTS.get(heads, id(base), lambda: heads.residual_products(partial(drafter_product, base)))
 
 
-NATIVE_DRAFTING = True  # on the exact engine, the heads' proposal in one native call (`NativeMedusa`)
-
-
 @dataclass(frozen=True)
 class NativeMedusa:
     """Medusa heads whose ResBlocks and projection all run on the exact engine's kernels, proposed in
@@ -448,12 +446,13 @@ class NativeMedusa:
 
     @classmethod
     def of(cls, products: ResidualProducts | None, projection: DraftProjection | None) -> "NativeMedusa | None":
-        """None unless every product is a kernel product (shared-lm_head heads with ResBlocks)."""
+        """None unless the heads (shared-lm_head heads with ResBlocks) can draft natively
+        (`core.drafters.layers.native_products`)."""
         if products is None or projection is None:
             return None
         every = [*products.first, *(p for head in products.later for p in head),
                  projection.products.get(projection.widest_rows)]
-        if not all(hasattr(p, "kernels") and hasattr(p, "weight") for p in every):
+        if native_products(every, [projection.weight.shape[1]]) is None:
             return None
         return cls(products=products, projection=projection)
 
@@ -474,7 +473,7 @@ class HeadsDrafter:
     def __init__(self, heads: MedusaHeads, base: BaseModel, width: int, depth: int, fixed_depth: int = 0) -> None:
         self.heads, self.projection, self.dtype = heads_for_drafting(heads, base)
         self.products = kernel_residual_products(self.heads, base)
-        self.native = NativeMedusa.of(self.products, self.projection) if base.exact and NATIVE_DRAFTING else None
+        self.native = NativeMedusa.of(self.products, self.projection)
         self.width = width
         self.depth = depth
         self.fixed_depth = fixed_depth  # the fixed tree's depth this drafter serves (every step needs it), else 0

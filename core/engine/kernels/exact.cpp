@@ -1253,6 +1253,35 @@ void add_silu(float* x, const float* t, int64_t n) {
   }
 }
 
+// x [rows, H] += silu(block(x)) for each block in turn (bias included): residual blocks
+void add_blocks(float* x, int64_t rows, const std::vector<Weight*>& blocks, int64_t size) {
+  std::vector<float> t(rows * size);
+  for (const Weight* block : blocks) {
+    TORCH_CHECK(block->in == size && block->out == size, "block shape");
+    matmul_into(x, rows, *block, t.data());
+    add_silu(x, t.data(), rows * size);
+  }
+}
+
+// The projection of states [rows, in] and each row's `width` most probable of its first `ranked[r]`
+// projection rows (empty `ranked`: all of them) by softmax over those -> (probabilities [rows, width],
+// projection rows [rows, width] int64); `width` no more than the fewest rows ranked
+std::vector<torch::Tensor> top_guesses(const float* states, int64_t rows, const Weight& projection,
+                                       std::vector<int64_t> ranked, int64_t width) {
+  const int64_t vocab = projection.out;
+  if (ranked.empty()) ranked.assign(rows, vocab);
+  for (int64_t r : ranked) TORCH_CHECK(r > 0 && r <= vocab, "rows ranked ", r);
+  width = std::min(width, *std::min_element(ranked.begin(), ranked.end()));
+  torch::Tensor logits = torch::empty({rows, vocab}, torch::TensorOptions().dtype(torch::kFloat32));
+  matmul_into(states, rows, projection, logits.data_ptr<float>());
+  torch::Tensor probs = torch::empty({rows, width}, torch::TensorOptions().dtype(torch::kFloat32));
+  torch::Tensor indices = torch::empty({rows, width}, torch::TensorOptions().dtype(torch::kInt64));
+  for (int64_t r = 0; r < rows; ++r)
+    softmax_top(logits.data_ptr<float>() + r * vocab, ranked[r], width, probs.data_ptr<float>() + r * width,
+                indices.data_ptr<int64_t>() + r * width);
+  return {probs, indices};
+}
+
 // One depth of a residual draft head on B rows (Hydra's head k: `extra` holds the path's k token
 // embeddings; a head without a mix passes an empty `extra`):
 //   x = hidden + mix([hidden; extra_r])       (mix's bias included)
@@ -1275,21 +1304,8 @@ std::vector<torch::Tensor> draft_head(torch::Tensor hidden, torch::Tensor extra,
     matmul_into(input.data_ptr<float>(), rows, *mix, t.data_ptr<float>());
     add_into_rows(xs, t.data_ptr<float>(), rows * size);
   }
-  for (const Weight* block : blocks) {
-    TORCH_CHECK(block->in == size && block->out == size, "block shape");
-    matmul_into(xs, rows, *block, t.data_ptr<float>());
-    add_silu(xs, t.data_ptr<float>(), rows * size);
-  }
-  const int64_t vocab = projection.out;
-  width = std::min(width, vocab);
-  torch::Tensor logits = torch::empty({rows, vocab}, opts);
-  matmul_into(xs, rows, projection, logits.data_ptr<float>());
-  torch::Tensor probs = torch::empty({rows, width}, opts);
-  torch::Tensor indices = torch::empty({rows, width}, torch::TensorOptions().dtype(torch::kInt64));
-  for (int64_t r = 0; r < rows; ++r)
-    softmax_top(logits.data_ptr<float>() + r * vocab, vocab, width, probs.data_ptr<float>() + r * width,
-                indices.data_ptr<int64_t>() + r * width);
-  return {probs, indices};
+  add_blocks(xs, rows, blocks, size);
+  return top_guesses(xs, rows, projection, {}, width);
 }
 
 // Medusa's heads at one hidden state [H], fp32: head d's state is hidden + silu(first_d(hidden)) (every
@@ -1309,23 +1325,8 @@ std::vector<torch::Tensor> medusa_heads(torch::Tensor hidden, const Weight& firs
   float* xs = states.data_ptr<float>();
   matmul_into(h.data_ptr<float>(), 1, first, t.data_ptr<float>());  // [1, D*H]: every head's first block
   add_silu(xs, t.data_ptr<float>(), depth * size);
-  for (int64_t d = 0; d < depth; ++d)
-    for (const Weight* block : later[d]) {
-      TORCH_CHECK(block->in == size && block->out == size, "block shape");
-      matmul_into(xs + d * size, 1, *block, t.data_ptr<float>());
-      add_silu(xs + d * size, t.data_ptr<float>(), size);
-    }
-  const int64_t vocab = projection.out;
-  for (int64_t r : rows) TORCH_CHECK(r > 0 && r <= vocab, "head rows ", r);
-  width = std::min(width, *std::min_element(rows.begin(), rows.end()));
-  torch::Tensor logits = torch::empty({depth, vocab}, opts);
-  matmul_into(xs, depth, projection, logits.data_ptr<float>());
-  torch::Tensor probs = torch::empty({depth, width}, opts);
-  torch::Tensor indices = torch::empty({depth, width}, torch::TensorOptions().dtype(torch::kInt64));
-  for (int64_t d = 0; d < depth; ++d)
-    softmax_top(logits.data_ptr<float>() + d * vocab, rows[d], width, probs.data_ptr<float>() + d * width,
-                indices.data_ptr<int64_t>() + d * width);
-  return {probs, indices};
+  for (int64_t d = 0; d < depth; ++d) add_blocks(xs + d * size, 1, later[d], size);
+  return top_guesses(xs, depth, projection, rows, width);
 }
 
 // One query q [d] over `total` keys and values (key_at(t), value_at(t): rows of d numbers), the softmax in
@@ -1383,6 +1384,30 @@ void rotate_halves(float* x, const float* cos, const float* sin, int64_t d) {
   }
 }
 
+// EAGLE's layer input [rows, 2H]: [norm(e) * embed_norm; norm(x) * attn_norm] of each row's token
+// embedding e and state x ([rows, H] each)
+torch::Tensor eagle_inputs(const float* e, const float* x, int64_t rows, int64_t size, const float* embed_norm,
+                           const float* attn_norm, float eps) {
+  torch::Tensor input = torch::empty({rows, 2 * size}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* in = input.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    rms_norm_row(e + r * size, embed_norm, in + r * 2 * size, size, eps);
+    rms_norm_row(x + r * size, attn_norm, in + r * 2 * size + size, size, eps);
+  }
+  return input;
+}
+
+// One row's keys and values out of its kv projection [2 * kv_heads * d] (keys rotated by cos, sin [d]):
+// key head g to keys + g * head_stride, value head g to values + g * head_stride
+void put_rotated_kv(const float* kv, int64_t kv_heads, int64_t d, const float* cos, const float* sin, float* keys,
+                    float* values, int64_t head_stride) {
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    std::memcpy(keys + g * head_stride, kv + g * d, d * 4);
+    rotate_halves(keys + g * head_stride, cos, sin, d);
+    std::memcpy(values + g * head_stride, kv + (kv_heads + g) * d, d * 4);
+  }
+}
+
 // One depth of EAGLE's draft layer (core/drafters/eagle.py, EagleLayer.draft, then the projection of its
 // normed output and each row's top guesses), fp32. B rows: parent states x [B, H] and their tokens'
 // embeddings e [B, H], all at one position (cos, sin [d]); each row's query heads attend the cache
@@ -1411,26 +1436,17 @@ std::vector<torch::Tensor> eagle_depth(torch::Tensor parents, torch::Tensor embe
   std::vector<torch::Tensor> nw;
   for (const auto& n : norms) nw.push_back(n.to(torch::kFloat32).contiguous());
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
-  torch::Tensor input = torch::empty({rows, 2 * size}, opts), q = torch::empty({rows, heads * d}, opts);
-  torch::Tensor kv = torch::empty({rows, 2 * kv_heads * d}, opts);
-  float* in = input.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    rms_norm_row(e.data_ptr<float>() + r * size, nw[0].data_ptr<float>(), in + r * 2 * size, size, ep);
-    rms_norm_row(x.data_ptr<float>() + r * size, nw[1].data_ptr<float>(), in + r * 2 * size + size, size, ep);
-  }
-  matmul_into(in, rows, wq, q.data_ptr<float>());
-  matmul_into(in, rows, wkv, kv.data_ptr<float>());
+  torch::Tensor q = torch::empty({rows, heads * d}, opts), kv = torch::empty({rows, 2 * kv_heads * d}, opts);
+  torch::Tensor input = eagle_inputs(e.data_ptr<float>(), x.data_ptr<float>(), rows, size, nw[0].data_ptr<float>(),
+                                     nw[1].data_ptr<float>(), ep);
+  matmul_into(input.data_ptr<float>(), rows, wq, q.data_ptr<float>());
+  matmul_into(input.data_ptr<float>(), rows, wkv, kv.data_ptr<float>());
   torch::Tensor keys = torch::empty({kv_heads, rows, d}, opts), values = torch::empty({kv_heads, rows, d}, opts);
   for (int64_t r = 0; r < rows; ++r) {
     float* qr = q.data_ptr<float>() + r * heads * d;
     for (int64_t h = 0; h < heads; ++h) rotate_halves(qr + h * d, c.data_ptr<float>(), sn.data_ptr<float>(), d);
-    const float* kvr = kv.data_ptr<float>() + r * 2 * kv_heads * d;
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      float* kr = keys.data_ptr<float>() + (g * rows + r) * d;
-      std::memcpy(kr, kvr + g * d, d * 4);
-      rotate_halves(kr, c.data_ptr<float>(), sn.data_ptr<float>(), d);
-      std::memcpy(values.data_ptr<float>() + (g * rows + r) * d, kvr + (kv_heads + g) * d, d * 4);
-    }
+    put_rotated_kv(kv.data_ptr<float>() + r * 2 * kv_heads * d, kv_heads, d, c.data_ptr<float>(), sn.data_ptr<float>(),
+                   keys.data_ptr<float>() + r * d, values.data_ptr<float>() + r * d, rows * d);
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   torch::Tensor attended = torch::empty({rows, heads * d}, opts);
@@ -1461,16 +1477,8 @@ std::vector<torch::Tensor> eagle_depth(torch::Tensor parents, torch::Tensor embe
   finish_layer(st, attended.data_ptr<float>(), rows, wo, nw[2].data_ptr<float>(), wgu, wdown, ep);
   torch::Tensor normed = torch::empty({rows, size}, opts);
   norm_rows(st, nw[3].data_ptr<float>(), normed.data_ptr<float>(), rows, size, ep);
-  const int64_t vocab = projection.out;
-  width = std::min(width, vocab);
-  torch::Tensor logits = torch::empty({rows, vocab}, opts);
-  matmul_into(normed.data_ptr<float>(), rows, projection, logits.data_ptr<float>());
-  torch::Tensor probs = torch::empty({rows, width}, opts);
-  torch::Tensor indices = torch::empty({rows, width}, torch::TensorOptions().dtype(torch::kInt64));
-  for (int64_t r = 0; r < rows; ++r)
-    softmax_top(logits.data_ptr<float>() + r * vocab, vocab, width, probs.data_ptr<float>() + r * width,
-                indices.data_ptr<int64_t>() + r * width);
-  return {states, keys, values, probs, indices};
+  std::vector<torch::Tensor> guesses = top_guesses(normed.data_ptr<float>(), rows, projection, {}, width);
+  return {states, keys, values, guesses[0], guesses[1]};
 }
 
 // EAGLE's draft layer over n accepted positions (EagleLayer.extend with last_only): features [n, 3H]
@@ -1496,27 +1504,19 @@ torch::Tensor eagle_extend(torch::Tensor features, torch::Tensor embeds, torch::
   std::vector<torch::Tensor> nw;
   for (const auto& w : norms) nw.push_back(w.to(torch::kFloat32).contiguous());
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
-  torch::Tensor x = torch::empty({n, size}, opts), input = torch::empty({n, 2 * size}, opts);
+  torch::Tensor x = torch::empty({n, size}, opts);
   torch::Tensor kv = torch::empty({n, 2 * kv_heads * d}, opts), q = torch::empty({1, heads * d}, opts);
   matmul_into(f.data_ptr<float>(), n, wf, x.data_ptr<float>());
-  float* in = input.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    rms_norm_row(e.data_ptr<float>() + r * size, nw[0].data_ptr<float>(), in + r * 2 * size, size, ep);
-    rms_norm_row(x.data_ptr<float>() + r * size, nw[1].data_ptr<float>(), in + r * 2 * size + size, size, ep);
-  }
+  torch::Tensor input = eagle_inputs(e.data_ptr<float>(), x.data_ptr<float>(), n, size, nw[0].data_ptr<float>(),
+                                     nw[1].data_ptr<float>(), ep);
+  const float* in = input.data_ptr<float>();
   matmul_into(in, n, wkv, kv.data_ptr<float>());
   matmul_into(in + (n - 1) * 2 * size, 1, wq, q.data_ptr<float>());  // the last row's queries only
   float* key_data = keys.data_ptr<float>();
   float* value_data = values.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* kvr = kv.data_ptr<float>() + r * 2 * kv_heads * d;
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      float* kr = key_data + (g * capacity + past + r) * d;
-      std::memcpy(kr, kvr + g * d, d * 4);
-      rotate_halves(kr, c.data_ptr<float>() + r * d, sn.data_ptr<float>() + r * d, d);
-      std::memcpy(value_data + (g * capacity + past + r) * d, kvr + (kv_heads + g) * d, d * 4);
-    }
-  }
+  for (int64_t r = 0; r < n; ++r)
+    put_rotated_kv(kv.data_ptr<float>() + r * 2 * kv_heads * d, kv_heads, d, c.data_ptr<float>() + r * d,
+                   sn.data_ptr<float>() + r * d, key_data + (past + r) * d, value_data + (past + r) * d, capacity * d);
   float* qs = q.data_ptr<float>();
   for (int64_t h = 0; h < heads; ++h) rotate_halves(qs + h * d, c.data_ptr<float>() + (n - 1) * d,
                                                     sn.data_ptr<float>() + (n - 1) * d, d);
