@@ -38,6 +38,7 @@ from core.machine import cpu_name
 from core.model import REPO_ROOT, BaseModel, ModelConfig, load_base_model
 from core.precision import default_precision, fast_bf16_batched
 from core.verify import VerifyOutput
+from offline.ship_heads import write_calibrated_tree
 from offline.simulate import head_proposals, sequence_states
 
 MT_BENCH = REPO_ROOT / "assets" / "data" / "mt_bench.jsonl"
@@ -548,16 +549,6 @@ def medusa_report(base: BaseModel, heads: MedusaHeads, sets: dict[str, list[dict
     return {"family": "medusa", "eval": "base fp32 greedy answers (128 new tokens), teacher-forced on the "
                                         f"{base.config.dtype} forward's hidden states",
             "draft_vocab": heads.config.draft_vocab_size, "held_out": held_out}
-
-
-def write_calibrated_tree(choices: list[list[int]]) -> None:
-    """The shipped heads' calibrated tree (Medusa's greedy construction from their MT-Bench
-    accuracies, `calibrated_choices`) into trees.json; a candidate's lies in its folder."""
-    trees_file = REPO_ROOT / "assets" / "trees.json"
-    trees = json.loads(trees_file.read_text())
-    trees["trees"]["calibrated"] = choices
-    trees["calibrated_note"] = "calibrated: Medusa's greedy construction from the shipped heads' MT-Bench top-k accuracies"
-    trees_file.write_text(json.dumps(trees) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@
 #      prompts not answered yet (resumable) and goes on with the sampled answers in the page's
 #      precision (4 a prompt, distill_q8_s4: resumes where the committed part stops); SHAREGPT=1 adds
 #      ShareGPT first turns (needs requirements-datagen.txt; their text is never committed, licence unstated).
-#   2. Medusa heads (offline.train) and Hydra heads (offline.train_hydra) on the same features, into
+#   2. Medusa heads (offline.train) and Hydra heads (offline.train_hydra), into
 #      candidate folders (MEDUSA_OUT, HYDRA_OUT); each writes its report.json (held-out accuracy on
 #      MT-Bench and the second set; Hydra also tokens per step of its grown tree). Ship a candidate
-#      (copy it over assets/heads or assets/hydra) only if it beats the shipped heads held out.
+#      (`offline.ship_heads` for Medusa; copy over assets/hydra) only if it beats the shipped heads held out.
 #   3. tokens per step of the fixed and dynamic Medusa trees on both held-out sets (after shipping).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,8 @@ MEDUSA_OUT=${MEDUSA_OUT:-assets/heads_candidate}
 HYDRA_OUT=${HYDRA_OUT:-assets/hydra_candidate}
 # the shipped heads' recipes (docs/RESULTS.md); HYDRA_EXTRA adds flags to both Hydra stages
 SHARED=(--depth-vocab 16384,4096,2048,2048 --weight-decay 0.1 --noise 0.1 --dropout 0.1)
-RECIPE=(--epochs "$EPOCHS" --num-layers 2 "${SHARED[@]}")  # Medusa: 2 ResBlocks per head
+MEDUSA_LAYERS=${MEDUSA_LAYERS:-3}  # ResBlocks per Medusa head
+RECIPE=(--epochs "$EPOCHS" --num-layers "$MEDUSA_LAYERS" "${SHARED[@]}" --precision gguf-q8)
 mkdir -p data
 unpack() {  # a committed answer file into data/, unless a (possibly longer) copy is there already
   if [ -f "assets/distill/$1" ] && [ ! -s "data/$2" ]; then
@@ -69,7 +70,17 @@ $PY -m offline.train_hydra --data "$CHAT" --extract-missing true --out "$HYDRA_O
 # shellcheck disable=SC2086
 $PY -m offline.train_hydra --data "$DATA" --extract-missing true --out "$HYDRA_OUT" --epochs 1 --lr 1e-3 "${HYDRA[@]}" \
     --init "$HYDRA_OUT.stage1" ${HYDRA_EXTRA:-}
-$PY -m offline.train --data "$DATA" --extract-missing true --out "$MEDUSA_OUT" "${RECIPE[@]}"
+# Medusa, the shipped recipe: the committed greedy answers (1.59M tokens) and the last 20,540 sampled
+# gguf-q8 answers of distill_q8_s4 (3.39M tokens: the ones whose features were captured while they were
+# written; elsewhere extracted once, ~25 min), gguf-q8 features, 1 epoch. Ship a winner with
+# `python -m offline.ship_heads "$MEDUSA_OUT" --depth-vocab 4096,4096,2048,2048` (decoding ranks 4,096
+# rows at depths 1-2: the same tokens a step as 16,384, a quarter of the rows read).
+sed -n 26593,47132p data/distill_q8_s4.jsonl > data/q8_captured.jsonl  # its committed rows 26,593-47,132
+if [ -d data/distill_q8_s4.features ] && [ ! -e data/q8_captured.features ]; then
+  ln -s distill_q8_s4.features data/q8_captured.features  # captured features are keyed by row id
+fi
+$PY -m offline.train --data data/distill.jsonl,data/distill_clean.jsonl,data/q8_captured.jsonl --extract-missing true \
+    --out "$MEDUSA_OUT" "${RECIPE[@]}"
 if [ "${SIMULATE:-0}" = "1" ]; then  # after shipping new Medusa heads
   TREES=fixed:mc_sim_7b_63,fixed:calibrated,dynamic:8,dynamic:16,dynamic:32,dynamic:63,dynamic:128
   $PY -m offline.simulate --answers assets/results/mt_bench_answers.jsonl --trees $TREES \

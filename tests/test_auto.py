@@ -331,17 +331,23 @@ def test_streaky_heads_keep_their_gain_under_the_loss_budget():
 def test_the_draft_limit_follows_the_trees_the_last_heads_steps_kept():
     """Twice the largest tree of the last heads steps (at least 2): a tree that pays doubles what
     the next step drafts; plain steps do not count; a small first draft before any heads step."""
-    auto = AutoBudget(profile=PROFILE)
-    assert auto.draft_limit() == FIRST_DRAFT_LIMIT
+    from core.budget.controller import DRAFT_LIMIT_AGE
     draft = build_draft_tree(heads(), [], 16, 8, 4, None)
-    auto.records = [_plain_step(0)]
-    assert auto.draft_limit() == FIRST_DRAFT_LIMIT
-    auto.records = [record(draft.keep(size=0), [])]
-    assert auto.draft_limit() == 2
-    auto.records = [record(draft.keep(size=5), []), record(draft.keep(size=1), []), _plain_step(2)]
-    assert auto.draft_limit() == 10
-    auto.records = [record(draft.keep(size=9), [])] + [record(draft.keep(size=1), [])] * 8
-    assert auto.draft_limit() == 2  # only the last DRAFT_LIMIT_STEPS heads steps
+
+    def after(*steps: StepRecord) -> AutoBudget:
+        auto = AutoBudget(profile=PROFILE)
+        for index, step in enumerate(steps):
+            auto.observe(replace(step, index=index))
+        return auto
+
+    assert after().draft_limit() == FIRST_DRAFT_LIMIT
+    assert after(_plain_step(0)).draft_limit() == FIRST_DRAFT_LIMIT
+    assert after(record(draft.keep(size=0), [])).draft_limit() == 2
+    assert after(record(draft.keep(size=5), []), record(draft.keep(size=1), []), _plain_step(2)).draft_limit() == 10
+    nine_then_ones = [record(draft.keep(size=9), [])] + [record(draft.keep(size=1), [])] * 8
+    assert after(*nine_then_ones).draft_limit() == 2  # only the last DRAFT_LIMIT_STEPS heads steps
+    long_ago = after(record(draft.keep(size=5), []), *[_plain_step(0)] * DRAFT_LIMIT_AGE)
+    assert long_ago.draft_limit() == FIRST_DRAFT_LIMIT  # ... among the last DRAFT_LIMIT_AGE steps
 
 
 def test_node_texts_are_timed_and_charged_to_the_step():
@@ -379,8 +385,7 @@ def test_the_plan_decides_the_drafters_and_the_node_budget_once_per_step():
     probe = auto.plan(40)
     assert probe.state == "probing" and not probe.heads and not probe.chains
     auto.steps = 2
-    draft = build_draft_tree(heads(), [], 16, 8, 4, None)
-    auto.records = [record(draft.keep(size=3), [])]
+    auto.head_sizes.append((1, 3))  # the last heads step verified 3 nodes
     assert auto.plan(40).max_nodes == 6 and auto.plan(4).max_nodes == 4
     auto.plain_until = 10
     backing_off = auto.plan(40)

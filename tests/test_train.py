@@ -209,3 +209,29 @@ def test_shipped_eagle_layer_loads_and_drafts_on_its_own_outputs(base_fp32, mt_b
     features = extract(base_fp32, _held_out_rows(base_fp32, mt_bench_prompts))
     own = depth_accuracy(layer, base_fp32, features, 3, own_guesses=True)["top1"]
     assert own[0] > 0.45 and own[2] > 0.2, own
+
+
+def test_ship_heads_copies_weights_sets_decode_rows_and_calibrated_tree(tmp_path):
+    from offline.ship_heads import ship_heads
+    torch.manual_seed(0)
+    config = HeadsConfig(num_heads=3, num_layers=2, hidden_size=32, vocab_size=200, draft_vocab_size=160,
+                         depth_vocab=(160, 64, 64))
+    heads = MedusaHeads(config)
+    heads.draft_vocab.copy_(torch.randperm(200)[:160])
+    heads.save(tmp_path / "candidate")
+    (tmp_path / "candidate" / "calibrated_tree.json").write_text(json.dumps([[0], [0, 0], [1]]))
+    trees_file = tmp_path / "trees.json"
+    trees_file.write_text(json.dumps({"trees": {"calibrated": [[0]], "other": [[0], [1]]}}))
+    ship_heads(tmp_path / "candidate", (128, 64, 64), heads_dir=tmp_path / "shipped", trees_file=trees_file)
+    shipped = load_heads(tmp_path / "shipped")
+    assert shipped.config == HeadsConfig(**{**config.__dict__, "depth_vocab": (128, 64, 64)})
+    assert torch.equal(shipped.draft_vocab, heads.draft_vocab)
+    assert torch.equal(shipped.heads.state_dict()["0.0.linear.weight"], heads.heads.state_dict()["0.0.linear.weight"])
+    assert load_named_trees(trees_file) == {"calibrated": [[0], [0, 0], [1]], "other": [[0], [1]]}
+    # sizes the heads cannot rank, or no calibrated tree: nothing is written
+    with pytest.raises(ValueError):
+        ship_heads(tmp_path / "candidate", (64, 64, 999), heads_dir=tmp_path / "bad", trees_file=trees_file)
+    (tmp_path / "candidate" / "calibrated_tree.json").unlink()
+    with pytest.raises(ValueError, match="calibrated_tree"):
+        ship_heads(tmp_path / "candidate", (), heads_dir=tmp_path / "bad", trees_file=trees_file)
+    assert not (tmp_path / "bad").exists()

@@ -42,8 +42,8 @@ gain), not through forgetting.
 """
 from __future__ import annotations
 
-import itertools
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Callable, Protocol
@@ -52,7 +52,6 @@ from core.budget.cost_profile import CostProfile, DepthCalibration, best_prefix,
 from core.records import StepKind, StepRecord
 from core.tree_policy import DraftTree
 
-WINDOW = 96  # records the rates are read from
 RATE_STEPS = 24  # steps a measured rate averages
 MIN_RATE_STEPS = 12  # fewer steps than this: no measured rate yet
 OVERHEAD_STEPS = 16
@@ -63,7 +62,8 @@ PROBE_AGREEMENT = 0.15  # a probe within 15 % of the median plain cost agrees
 FIRST_EXPLORE_AFTER = 8  # steps without a tree before the first explore ...
 MIN_EXPLORE_AFTER = 2  # ... after a tree the heads got right (they may be in a good streak) ...
 MAX_EXPLORE_AFTER = 128  # ... and at most this rarely, doubling while explores fail
-DRAFT_LIMIT_STEPS = 8  # heads steps whose tree sizes bound the next draft (`AutoBudget.draft_limit`)
+DRAFT_LIMIT_STEPS = 8  # heads steps whose tree sizes bound the next draft (`AutoBudget.draft_limit`) ...
+DRAFT_LIMIT_AGE = 96  # ... among the last this many steps
 FIRST_DRAFT_LIMIT = 4  # ... and what the first heads step drafts
 EXPLORE_NODES = 1  # nodes an exploring step verifies at least (the cheapest tree that measures the heads)
 EXPLORE_MAX_LOSS = 0.5  # no explores where such a tree, accepting nothing, loses more plain steps than this
@@ -170,6 +170,10 @@ class CostCorrection:
     plain: list[float] = field(default_factory=list)
     tree: list[float] = field(default_factory=list)
     last_tree_step: int = 0
+    # each class's factor, kept current by `add` and `forget_stale`: the controller reads it for
+    # every tree size it weighs, several times a step
+    plain_factor: float = 1.0
+    tree_factor: float = 1.0
 
     def add(self, tokens: int, measured_ms: float, profiled_ms: float, step: int = 0) -> None:
         if tokens > 1:
@@ -177,15 +181,53 @@ class CostCorrection:
         ratios = self.plain if tokens == 1 else self.tree
         ratios.append(measured_ms / max(profiled_ms, 1e-6))
         del ratios[:-CORRECTION_STEPS]
+        self._refresh()
 
     def forget_stale(self, step: int) -> None:
         if self.tree and step - self.last_tree_step > STALE_TREE_STEPS:
             self.tree.clear()
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self.plain_factor, self.tree_factor = _median_or_one(self.plain), _median_or_one(self.tree)
 
     def factor(self, tokens: int) -> float:
         """The median ratio of the class `tokens` falls in (1.0 before MIN_CORRECTION_SAMPLES)."""
-        ratios = self.plain if tokens == 1 else self.tree
-        return statistics.median(ratios) if len(ratios) >= MIN_CORRECTION_SAMPLES else 1.0
+        return self.plain_factor if tokens == 1 else self.tree_factor
+
+
+def _median_or_one(ratios: list[float]) -> float:
+    return statistics.median(ratios) if len(ratios) >= MIN_CORRECTION_SAMPLES else 1.0
+
+
+@dataclass
+class RollingRate:
+    """Tokens and seconds of the last `size` steps of one kind, as running sums (the controller
+    reads its rates several times a step: summing a window of records each time cost ~0.1 ms a step)."""
+
+    size: int = RATE_STEPS
+    steps: deque = field(default_factory=deque)  # (tokens, seconds), oldest first
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+        self.tokens += tokens
+        self.seconds += seconds
+        if len(self.steps) > self.size:
+            old_tokens, old_seconds = self.steps.popleft()
+            self.tokens -= old_tokens
+            self.seconds -= old_seconds
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.tokens, self.seconds = 0, 0.0
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def tokens_per_ms(self) -> float:
+        return self.tokens / (1000 * self.seconds)
 
 
 @dataclass(frozen=True)
@@ -205,7 +247,11 @@ class AutoBudget:
 
     profile: CostProfile
     calibration: DepthCalibration = field(default_factory=DepthCalibration)
-    records: list[StepRecord] = field(default_factory=list)  # the last WINDOW steps
+    plain_steps: RollingRate = field(default_factory=RollingRate)  # the last steps without the heads
+    tree_steps: RollingRate = field(default_factory=RollingRate)  # ... with a head tree, since the last back-off
+    recent: deque = field(default_factory=lambda: deque(maxlen=OVERHEAD_STEPS))  # (heads used, non-verify ms, accept ms)
+    head_sizes: deque = field(default_factory=lambda: deque(maxlen=DRAFT_LIMIT_STEPS))  # (step, nodes) of heads steps
+    last_context: int | None = None  # the cache length of the last step (None before any)
     plain_until: int = 0  # steps before this index skip the heads (backing off)
     backoff: int = 0  # length of the current back-off
     steps: int = 0
@@ -252,7 +298,7 @@ class AutoBudget:
     def use_heads(self, state: ControllerState | None = None) -> bool:
         """False while backing off (the heads cannot pay at the moment, or they spent the run's
         loss allowance) or while probing; True for an exploring step (`state`: this step's, when the
-        caller has it: reading it costs passes over the records)."""
+        caller has it)."""
         return (state or self.state) in (ControllerState.NORMAL, ControllerState.EXPLORING)
 
     def explore_due(self) -> bool:
@@ -260,7 +306,7 @@ class AutoBudget:
         and a one-node tree that accepts nothing would lose at most EXPLORE_MAX_LOSS plain steps."""
         if self.steps - self.last_tree_step < self.explore_after:
             return False
-        context = self._last_context()
+        context = self.last_context
         plain_ms = self._plain_ms_per_token(context)
         worst_loss = self.costs.cost(EXPLORE_NODES + 1, context) + self.overhead_ms(heads_used=True) - plain_ms
         return worst_loss <= EXPLORE_MAX_LOSS * plain_ms
@@ -273,7 +319,7 @@ class AutoBudget:
     def loss_fits(self, context: int | None = None) -> Callable[[int], bool]:
         """Whether a tree of n nodes on top of a `context`-token cache (default: the last step's)
         stays within the loss allowance if it accepts nothing; the rates it needs are read once."""
-        context = context if context is not None else self._last_context()
+        context = context if context is not None else self.last_context
         plain_ms = self._plain_ms_per_token(context)
         room, overhead = self.ledger.room_ms(plain_ms), self.overhead_ms(heads_used=True)
         return lambda nodes: self.costs.cost(nodes + 1, context) + overhead - plain_ms <= room
@@ -287,12 +333,8 @@ class AutoBudget:
         63-node first draft, 2 ms on a 2-core Zen 5, put hydra:auto in back-off for 115 of 124 steps
         where hydra:3 ran 1.09x plain). A dynamic tree of 63 nodes costs 0.5 ms to build and choose
         from there (0.05-0.1 ms for 3). A tree that pays doubles the limit at the next step."""
-        sizes = [r.outcome.tree.num_nodes for r in _last(self.records, _used_heads, DRAFT_LIMIT_STEPS)]
+        sizes = [nodes for step, nodes in self.head_sizes if self.steps - step <= DRAFT_LIMIT_AGE]
         return max(2, 2 * max(sizes)) if sizes else FIRST_DRAFT_LIMIT
-
-    def _last_context(self) -> int | None:
-        """The cache length of the last step (None before any)."""
-        return self.records[-1].context_length if self.records else None
 
     def affordable_nodes(self, most: int, context: int) -> int:
         """The largest tree size up to `most` that the loss allowance allows (0: the root alone)."""
@@ -309,9 +351,8 @@ class AutoBudget:
     def _plain_ms_per_token(self, context: int | None = None) -> float:
         """What a token costs without the heads: measured over this run's recent steps without
         them once MIN_CORRECTION_SAMPLES ran, else the corrected profile's plain step."""
-        recent = _last(self.records, lambda r: not _used_heads(r), RATE_STEPS)
-        if len(recent) >= MIN_CORRECTION_SAMPLES:
-            return 1000 * sum(r.times.charged for r in recent) / sum(len(r.new_tokens) for r in recent)
+        if len(self.plain_steps) >= MIN_CORRECTION_SAMPLES:
+            return 1.0 / self.plain_steps.tokens_per_ms()
         return 1.0 / plain_rate(self.costs, self.overhead_ms(heads_used=False), context)
 
     def probe_plain(self) -> bool:
@@ -368,6 +409,7 @@ class AutoBudget:
             elif self.exploring:
                 self.explore_after = min(2 * self.explore_after, MAX_EXPLORE_AFTER)
         self.exploring = False
+        self._remember(record)
         tokens = record.outcome.tree.num_nodes + 1
         self.correction.add(tokens, 1000 * record.times.verify, self.profile.cost(tokens, record.context_length),
                             self.steps)
@@ -375,8 +417,19 @@ class AutoBudget:
         if tokens == 1:
             self._probe_measured(record)
             self.last_plain = self.steps
-        self.records = (self.records + [record])[-WINDOW:]
         self.steps += 1
+
+    def _remember(self, record: StepRecord) -> None:
+        """What later decisions read of a step: its rate, its time outside the verify, its tree size."""
+        heads, charged = _used_heads(record), record.times.charged
+        if not heads:
+            self.plain_steps.add(len(record.new_tokens), charged)
+        elif _tree_step(record) and record.index >= self.evidence_from:
+            self.tree_steps.add(len(record.new_tokens), charged)
+        if heads:
+            self.head_sizes.append((self.steps, record.outcome.tree.num_nodes))
+        self.recent.append((heads, 1000 * (charged - record.times.verify), 1000 * record.times.accept))
+        self.last_context = record.context_length
 
     def _calibrate(self, record: StepRecord) -> int:
         """Feed the step's head nodes to the calibration; returns how many of them were accepted."""
@@ -402,6 +455,7 @@ class AutoBudget:
         if (measured is not None and measured < 0.9 * plain) or rate < 0.8 * plain:
             self.backoff = MAX_BACKOFF
             self.evidence_from = self.steps + 1  # acted on: later decisions need fresh tree steps
+            self.tree_steps.clear()
         elif size == 0:
             self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
         else:
@@ -413,13 +467,8 @@ class AutoBudget:
         None before 12 of them. Steps without the heads are plain or lookup-only ones; head steps
         that verified the root alone are neither (they paid the drafting for a plain step's
         token) and count in no rate; tree steps from before the last back-off no longer count."""
-        if heads_used:
-            recent = _last(self.records, lambda r: _tree_step(r) and r.index >= self.evidence_from, RATE_STEPS)
-        else:
-            recent = _last(self.records, lambda r: not _used_heads(r), RATE_STEPS)
-        if len(recent) < MIN_RATE_STEPS:
-            return None
-        return sum(len(r.new_tokens) for r in recent) / (1000 * sum(r.times.charged for r in recent))
+        steps = self.tree_steps if heads_used else self.plain_steps
+        return steps.tokens_per_ms() if len(steps) >= MIN_RATE_STEPS else None
 
     def _probe_measured(self, record: StepRecord) -> None:
         """A one-token step: if the plain cost agrees with what was measured before (within
@@ -438,20 +487,13 @@ class AutoBudget:
         Verify times include the logits' projection (the profile measures it too). Before any plain
         step, a plain step's overhead is estimated by the tree steps' accept time.
         """
-        window = self.records[-OVERHEAD_STEPS:]
-        recent = [r for r in window if _used_heads(r) == heads_used]
-        if recent:
-            return 1000 * sum(r.times.charged - r.times.verify for r in recent) / len(recent)
-        tree_recent = [r for r in window if _used_heads(r)]
-        if not heads_used and tree_recent:
-            return 1000 * sum(r.times.accept for r in tree_recent) / len(tree_recent)
+        same = [outside for heads, outside, _ in self.recent if heads == heads_used]
+        if same:
+            return sum(same) / len(same)
+        accepts = [accept for heads, _, accept in self.recent if heads]
+        if not heads_used and accepts:
+            return sum(accepts) / len(accepts)
         return 2.0
-
-
-def _last(records: list[StepRecord], keep: Callable[[StepRecord], bool], count: int) -> list[StepRecord]:
-    """The last `count` of `records` that `keep` keeps (newest first): read from the end, so a rate over
-    24 plain steps reads ~24 records, not the window's 96 (the controller reads several a step)."""
-    return list(itertools.islice((r for r in reversed(records) if keep(r)), count))
 
 
 def _used_heads(record: StepRecord) -> bool:
