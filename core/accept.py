@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from core.strategy import ACCEPT_RULES
-from core.sampling import SamplingConfig, next_token, sampling_probs
+from core.sampling import SamplingConfig, argmax_rows, argmax_token, next_token, sampling_probs
 from core.tree import CandidateTree
 from core.verify import VerifyOutput
 
@@ -75,7 +75,7 @@ def _judging_rows(tree: CandidateTree) -> list[int]:
 def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput) -> AcceptResult:
     """Longest path agreeing with the base argmax at every node; bonus = argmax after it."""
     rows = _judging_rows(tree)
-    predicted = dict(zip(rows, verified.logits(rows).argmax(dim=-1).tolist()))  # row -> the base model's token
+    predicted = dict(zip(rows, argmax_rows(verified.logits(rows))))  # row -> the base model's token
     tokens = node_tokens.tolist()
     # a node is right when it is its parent's argmax (the root is the base model's own token); plain
     # lists: a tree of a few nodes costs a dozen small torch calls more than its arithmetic
@@ -88,7 +88,7 @@ def accept_greedy(tree: CandidateTree, node_tokens: torch.Tensor, verified: Veri
             nodes = chain[:right]
     last = nodes[-1]
     return AcceptResult(accepted_nodes=nodes, bonus_token=predicted[last] if last in predicted
-                        else int(verified.row(last).argmax()))
+                        else argmax_token(verified.row(last)))
 
 
 def accept_typical(tree: CandidateTree, node_tokens: torch.Tensor, verified: VerifyOutput, config: AcceptConfig,

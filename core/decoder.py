@@ -39,7 +39,7 @@ from core.strategy import (AUTOREGRESSIVE, DEFAULT_BEAM, DEFAULT_DEPTH, DEFAULT_
                            DYNAMIC, LOOKUP_TOKENS, MAX_BUDGET, MAX_CHAIN_TOKENS, MAX_CHAINS, MAX_DEPTH,
                            MAX_NEW_TOKENS, MAX_TOP_M, PEERS, STORE_TOKENS, StrategyError, StrategySpec,
                            check_int, parse_strategy, strategy_families)
-from core.sampling import next_token
+from core.sampling import next_token, top_two
 from core.page_views import PageObserver, PageViews  # noqa: F401  (callers import PageViews here too)
 from core.tree import CandidateTree, fixed_tree, named_tree
 from core.tree_policy import DraftTree, build_draft_tree
@@ -156,11 +156,6 @@ class PhaseClock:
 
     def times(self, texts: float) -> PhaseTimes:
         return PhaseTimes(**self.seconds, texts=texts)
-
-
-def _top2(logits: torch.Tensor) -> tuple[float, float]:
-    top = torch.topk(logits, 2).values.tolist()  # [2]
-    return top[0], top[1]
 
 
 class DecodeSession:
@@ -311,7 +306,7 @@ class DecodeSession:
         self._remember_hidden(out, slice(-1, None))
         logits = out.row(len(self.prompt_ids) - 1)  # [V]
         self.root_token = next_token(logits, self.config.accept.sampling, self.generator)
-        self.prefill_top_logits = _top2(logits)
+        self.prefill_top_logits = top_two(logits)
         self.prefill_seconds = time.perf_counter() - start
         self._emit([self.root_token])
         if self.finished:  # the first token already ended it
@@ -403,7 +398,7 @@ class DecodeSession:
         return StepRecord(index=len(self.records), family=self.config.strategy, kind=StepKind.PLAIN,
                           context_length=context,
                           head_token_ids=[], head_probs=[], outcome=outcome, new_tokens=[bonus], times=PhaseTimes(),
-                          top_logits=_top2(logits))  # the margin of this choice, for near-tie checks
+                          top_logits=top_two(logits))  # the margin of this choice, for near-tie checks
 
     def _forward_root(self, context: int) -> VerifyOutput:
         out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),

@@ -216,3 +216,21 @@ def test_batched_draws_follow_sampling_probs_inside_and_outside_the_candidates(m
         assert bool((counts[probs[row] == 0] == 0).all())
         assert torch.allclose(counts, probs[row], atol=0.03)
     assert torch.equal(sample_rows(logits, SamplingConfig(), generator), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_and_top_two_match_torch_ties_included(dtype):
+    """The greedy readers (numpy where it reads the dtype, torch elsewhere) pick what torch.argmax picks,
+    the first of tied maxima included, and top_two gives torch.topk's two values."""
+    from core.sampling import argmax_rows, argmax_token, top_two
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=generator).to(dtype)  # [6, V]
+    logits[1, 7] = logits[1, 40000] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2, -1] = logits[2].max() + 1  # the maximum at either end
+    logits[3, 0] = logits[3].max() + 1
+    logits[4, 5] = logits[4, 6] = logits[4].max() + 1  # top_two of a tie: equal values
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()  # a strided view
+    for row in logits:
+        assert argmax_token(row) == int(row.argmax())
+        assert top_two(row) == tuple(torch.topk(row, 2).values.tolist())

@@ -181,15 +181,15 @@ class CostCorrection:
         ratios = self.plain if tokens == 1 else self.tree
         ratios.append(measured_ms / max(profiled_ms, 1e-6))
         del ratios[:-CORRECTION_STEPS]
-        self._refresh()
+        if tokens == 1:
+            self.plain_factor = _median_or_one(ratios)
+        else:
+            self.tree_factor = _median_or_one(ratios)
 
     def forget_stale(self, step: int) -> None:
         if self.tree and step - self.last_tree_step > STALE_TREE_STEPS:
             self.tree.clear()
-            self._refresh()
-
-    def _refresh(self) -> None:
-        self.plain_factor, self.tree_factor = _median_or_one(self.plain), _median_or_one(self.tree)
+            self.tree_factor = 1.0
 
     def factor(self, tokens: int) -> float:
         """The median ratio of the class `tokens` falls in (1.0 before MIN_CORRECTION_SAMPLES)."""
