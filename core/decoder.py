@@ -181,6 +181,7 @@ class DecodeSession:
             raise ValueError(f"the fixed tree is {self.fixed.max_depth} deep but only "
                              f"{heads.max_depth if heads else 0} heads are loaded")
         self.prompt_ids = list(prompt_ids)
+        self.eos_token_ids = base.eos_token_ids  # read once (a property that reads the generation config)
         # plain decoding reserves nothing: the prompt needs room for one new token; near the
         # limit a tree step shrinks to the depth that still fits (see `_room`)
         if len(self.prompt_ids) >= base.max_positions:
@@ -324,7 +325,7 @@ class DecodeSession:
         for token in tokens[: max(self._room(), 0)]:
             emitted.append(token)
             self.output_ids.append(token)
-            if token in self.base.eos_token_ids:
+            if token in self.eos_token_ids:
                 self.stop_reason = "eos"
                 return emitted
         if len(self.output_ids) >= self.config.max_new_tokens:
@@ -412,7 +413,7 @@ class DecodeSession:
         to the prefix the controller chooses (all of it unless `auto`)."""
         fixed = self.fixed if self.family.decodes_fixed_tree else None
         draft = build_draft_tree(heads, chains, plan.max_nodes, self.config.top_m, self.config.depth, fixed)
-        draft = draft.stop_after(self.root_token, self.base.eos_token_ids)
+        draft = draft.stop_after(self.root_token, self.eos_token_ids)
         if draft.tree.max_depth > max_depth:
             draft = draft.keep(max_depth=max_depth)
         size = self.controller.choose(draft, heads_used=heads is not None, context=cache_length(self.cache))

@@ -98,7 +98,7 @@ class PageObserver:
         asides = Asides(proposal=self._proposal(shown, chains, draft, max_depth) if self.session.page.texts else None)
         if self.session.fixed_aside:  # a dynamic run: the heads proposed a HeadProposal
             fixed = build_draft_tree(shown, [], self.session.config.budget, self.session.config.top_m, self.session.config.depth, self.session.fixed)
-            fixed = fixed.stop_after(self.session.root_token, self.session.base.eos_token_ids).keep(max_depth=max_depth)
+            fixed = fixed.stop_after(self.session.root_token, self.session.eos_token_ids).keep(max_depth=max_depth)
             asides = (replace(asides, fixed_to_judge=fixed) if self.session.config.accept.sampling.greedy
                       else replace(asides, comparison=self._verify_aside(fixed)))
         if self.session.rival_drafter is not None:
@@ -106,7 +106,7 @@ class PageObserver:
             proposal = self.session.rival_drafter.propose(self.session._draft_context(plan))
             theirs = build_draft_tree(proposal, [], nodes, self.session.config.top_m, self.session.config.depth)
             asides = replace(asides, rival=self._verify_aside(
-                theirs.stop_after(self.session.root_token, self.session.base.eos_token_ids).keep(max_depth=max_depth, size=nodes)))
+                theirs.stop_after(self.session.root_token, self.session.eos_token_ids).keep(max_depth=max_depth, size=nodes)))
         return asides
 
     def _proposal(self, heads: Proposal, chains: list[Chain], draft: DraftTree | None,
@@ -116,7 +116,7 @@ class PageObserver:
         if not self.session.family.sized:
             return None
         full = build_draft_tree(heads, chains, self.session.config.budget, self.session.config.top_m, self.session.config.depth)
-        full = full.stop_after(self.session.root_token, self.session.base.eos_token_ids).keep(max_depth=max_depth)
+        full = full.stop_after(self.session.root_token, self.session.eos_token_ids).keep(max_depth=max_depth)
         if draft is not None and full.tree.num_nodes <= draft.tree.num_nodes:
             return None
         tokens = full.tree.node_tokens(self.session.root_token, full.token_table).tolist()  # [n+1]
