@@ -404,7 +404,7 @@ class DecodeSession:
     def _forward_root(self, context: int) -> VerifyOutput:
         out = forward_tokens(self.base, self.cache, torch.tensor([self.root_token]), torch.tensor([context]),
                              taps=self.taps)
-        out.row(0)  # the logits: part of the forward's time
+        out.project([0])  # the logits: part of the forward's time
         return out
 
     def _build(self, heads: Proposal | None, chains: list[Chain], plan: StepPlan,
@@ -428,7 +428,7 @@ class DecodeSession:
         buffers = tree.buffers()
         tokens = tree.node_tokens(self.root_token, draft.token_table)  # [n+1]
         out = verify_tree(self.base, self.cache, tokens, buffers.attn_mask, buffers.position_ids, self.taps)
-        out.logits(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
+        out.project(rows_to_project(tree, self.config.accept))  # the base model's logits: part of verifying
         return out
 
     def _accept(self, draft: DraftTree, out: VerifyOutput | WalkedRows, generator: torch.Generator | None = None

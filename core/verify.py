@@ -24,19 +24,30 @@ class VerifyOutput:
         self.hidden = hidden  # [n, H] last (normed) hidden state of every token
         self.tapped = tapped  # [T, n, H] the residual streams a drafter asked for (None: none asked)
         self._lm_head = lm_head  # hidden rows [r, H] -> logits [r, V]
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # row -> its logits [V] (a view of a projected block)
+        self._block: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last projection's rows and logits
 
-    def logits(self, rows: list[int]) -> torch.Tensor:
-        """float32 next-token logits of `rows`: [len(rows), V]."""
+    def project(self, rows: list[int]) -> None:
+        """Compute and keep the logits of `rows` not projected yet (one lm_head call)."""
         missing = [r for r in dict.fromkeys(rows) if r not in self._rows]
         if missing:
             projected = self._lm_head(self.hidden[missing]).float()  # [len(missing), V]
             self._rows.update(zip(missing, projected))
+            self._block = (tuple(missing), projected)
+
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        """float32 next-token logits of `rows`: [len(rows), V]. Read-only: the rows one projection made,
+        in its order, come back as that projection's tensor (copying 16 rows of 49,152 logits costs
+        ~0.1 ms a step), other selections as a new one."""
+        self.project(rows)
+        if self._block is not None and tuple(rows) == self._block[0]:
+            return self._block[1]
         return torch.stack([self._rows[r] for r in rows])
 
     def row(self, index: int) -> torch.Tensor:
-        """float32 logits of one row: [V]."""
-        return self.logits([index])[0]
+        """float32 logits of one row: [V] (read-only, kept)."""
+        self.project([index])
+        return self._rows[index]
 
     def projected_argmax(self, rows: int) -> list[int]:
         """The base model's top token after each of the first `rows` rows; -1 where not projected."""
