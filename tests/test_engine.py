@@ -337,3 +337,21 @@ def test_no_kernel_is_timed_or_run_on_a_worker_thread():
         assert threading.active_count() == before
         matmul.use_kernels({1: "split"})
         assert matmul.kernels[1] == "linear"
+
+
+@pytest.mark.parametrize("keep", [[0], [0, 1, 2], [0, 1, 3, 5], [0, 2], [0, 4, 5]])
+def test_static_cache_keep_equals_a_gather_of_the_kept_rows(keep):
+    """The commit copies only rows out of place (a root-only or first-children path stays put), and the
+    cache then holds the prefix and the kept tree rows in order, as a full gather would."""
+    prefix, nodes = 10, 6
+    cache = StaticCache(2, 2, 4, dtype=torch.float32, device=torch.device("cpu"), limit=64, capacity=32)
+    with torch.inference_mode():  # the cache's tensors are inference tensors, as a forward writes them
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=torch.Generator().manual_seed(0)))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=torch.Generator().manual_seed(1)))
+    cache.length = prefix + nodes
+    rows = list(range(prefix)) + [prefix + node for node in keep]
+    expected_keys, expected_values = cache.keys[:, :, :, rows].clone(), cache.values[:, :, :, rows].clone()
+    cache.keep(prefix, torch.tensor(keep))
+    assert cache.get_seq_length() == prefix + len(keep)
+    assert torch.equal(cache.keys[:, :, :, :prefix + len(keep)], expected_keys)
+    assert torch.equal(cache.values[:, :, :, :prefix + len(keep)], expected_values)

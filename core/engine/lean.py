@@ -200,12 +200,16 @@ class StaticCache:
     def keep(self, prefix_len: int, keep: torch.Tensor) -> None:
         """Keep the first `prefix_len` positions plus positions prefix_len + keep[i] (ascending),
         moved to prefix_len + i: one gather and one copy for all layers."""
-        source = prefix_len + keep.to(device=self.keys.device, dtype=torch.long)  # [accepted]
-        count = int(source.shape[0])
-        with torch.inference_mode():
-            for states in (self.keys, self.values):
-                moved = states.index_select(3, source)  # [L, 1, kvh, accepted, d]
-                states[:, :, :, prefix_len:prefix_len + count] = moved
+        nodes = keep.tolist()
+        count = len(nodes)
+        # nodes already in place (the root, and a path of first children) need no copy: often all of them
+        moved_from = next((i for i, node in enumerate(nodes) if node != i), count)
+        if moved_from < count:
+            source = torch.tensor(nodes[moved_from:], device=self.keys.device) + prefix_len  # [moved]
+            with torch.inference_mode():
+                for states in (self.keys, self.values):
+                    moved = states.index_select(3, source)  # [L, 1, kvh, moved, d]
+                    states[:, :, :, prefix_len + moved_from:prefix_len + count] = moved
         self.length = prefix_len + count
 
 
