@@ -382,6 +382,9 @@ def test_eagle_depths_in_one_native_call_are_the_layers_own():
         assert torch.allclose(native_cache.keys, cache.keys, atol=1e-5)
         assert torch.allclose(native_cache.values, cache.values, atol=1e-5)
     root = torch.randn(size, generator=generator)
+    probs, rows = drafter.native.root(root, 4)  # the root level: one native call too
+    top = torch.softmax(drafter.projection.logits(drafter.layer.draft_states(root[None]), 1), dim=-1).topk(4)
+    assert torch.equal(rows, top.indices) and torch.allclose(probs, top.values, atol=1e-5, rtol=1e-4)
     grown = [grow_eagle_tree(drafter.layer, drafter.embed, drafter.projection, drafter.cache, root, budget=10,
                              width=4, beam=4, depth=4, native=native) for native in (None, drafter.native)]
     assert grown[0].tree.paths == grown[1].tree.paths and torch.equal(grown[0].token_table, grown[1].token_table)

@@ -383,6 +383,12 @@ class NativeEagle:
             draft_v, ancestors, norms, list(self.weights[1:]), self.projections[depth], config.num_heads, width,
             config.eps)  # projections[depth]: the rows depth + 1 ranks
 
+    def root(self, state: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's children as one native call: the top `width` of depth 1's projection of the normed
+        state [H] (`draft_states`): (probabilities [1, width], projection rows [1, width])."""
+        return self.kernels.normed_guesses(state[None], self.layer.out_norm.weight, self.projections[0], width,
+                                           self.layer.config.eps)
+
 
 @torch.inference_mode()
 def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftProjection, cache: KVRows,
@@ -394,8 +400,12 @@ def grow_eagle_nodes(layer: EagleLayer, embed: nn.Embedding, projection: DraftPr
     beam)` of every other node), until `depth` or until no deeper node could enter the `budget` best
     (`deeper_could_enter`)."""
     dtype = root_state.dtype
-    root_logits = projection.logits(layer.draft_states(root_state[None]), 1)  # [1, rows at depth 1]
-    probs, ids = ranked(root_logits, width, projection)  # [1, width]
+    if native is not None:
+        probs, rows = native.root(root_state, width)  # [1, width] each
+        ids = projection.vocabulary_ids(rows)
+    else:
+        root_logits = projection.logits(layer.draft_states(root_state[None]), 1)  # [1, rows at depth 1]
+        probs, ids = ranked(root_logits, width, projection)  # [1, width]
     level = expand([GrownNode(path=(), tokens=(), score=1.0)], probs.tolist(), ids.tolist(), budget=budget)
     growth = Growth(nodes=list(level), greedy_probs=[probs[0]], greedy_ids=[ids[0]])
     parent_state = {(): root_state}

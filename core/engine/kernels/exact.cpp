@@ -1481,6 +1481,20 @@ std::vector<torch::Tensor> eagle_depth(torch::Tensor parents, torch::Tensor embe
   return {states, keys, values, guesses[0], guesses[1]};
 }
 
+// Each state's top guesses after a norm: states [B, H] -> rms_norm(state) * norm, projected, the `width`
+// most probable projection rows by softmax (EAGLE's root level: the layer's output at the last accepted
+// position) -> (probabilities [B, width], projection rows [B, width])
+std::vector<torch::Tensor> normed_guesses(torch::Tensor states, torch::Tensor norm, const Weight& projection,
+                                          int64_t width, double eps) {
+  auto x = states.to(torch::kFloat32).contiguous();
+  auto w = norm.to(torch::kFloat32).contiguous();
+  const int64_t rows = x.size(0), size = x.size(1);
+  TORCH_CHECK(w.numel() == size && projection.in == size, "a norm and a projection of the states' width");
+  torch::Tensor normed = torch::empty({rows, size}, torch::TensorOptions().dtype(torch::kFloat32));
+  norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), normed.data_ptr<float>(), rows, size, static_cast<float>(eps));
+  return top_guesses(normed.data_ptr<float>(), rows, projection, {}, width);
+}
+
 // EAGLE's draft layer over n accepted positions (EagleLayer.extend with last_only): features [n, 3H]
 // fused to x, the embeddings e [n, H] of the tokens after them, positions' cos, sin [n, d]; every row's
 // rotated key and its value enter the cache (keys, values [kv_heads, capacity, d] contiguous, rows
@@ -1930,6 +1944,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("parents"), py::arg("embeds"), py::arg("cos"), py::arg("sin"), py::arg("cache_keys"),
         py::arg("cache_values"), py::arg("draft_keys"), py::arg("draft_values"), py::arg("ancestors"), py::arg("norms"),
         py::arg("weights"), py::arg("projection"), py::arg("heads"), py::arg("width"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("normed_guesses", &normed_guesses, "each state's top guesses after a norm: (probabilities, projection rows)",
+        py::arg("states"), py::arg("norm"), py::arg("projection"), py::arg("width"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("draft_head", &draft_head, "one depth of a residual draft head: (probabilities, projection rows) of its top guesses",
         py::arg("hidden"), py::arg("extra"), py::arg("mix"), py::arg("blocks"), py::arg("projection"), py::arg("width"),
