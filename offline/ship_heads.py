@@ -32,10 +32,9 @@ def ship_heads(candidate: Path, depth_vocab: tuple[int, ...] = (), *, heads_dir:
     if depth_vocab:
         config = replace(config, depth_vocab=checked_depth_vocab(depth_vocab, config.num_heads,
                                                                  config.draft_vocab_size))
-    choices = json.loads((candidate / "calibrated_tree.json").read_text()) \
-        if (candidate / "calibrated_tree.json").exists() else None
-    if choices is None:
+    if not (candidate / "calibrated_tree.json").exists():
         raise ValueError(f"{candidate} has no calibrated_tree.json (offline.train writes it)")
+    choices = json.loads((candidate / "calibrated_tree.json").read_text())
     fixed_tree(choices)  # a valid tree, or ValueError
     heads_dir = Path(heads_dir)
     heads_dir.mkdir(parents=True, exist_ok=True)

@@ -299,7 +299,7 @@ class AutoBudget:
         """False while backing off (the heads cannot pay at the moment, or they spent the run's
         loss allowance) or while probing; True for an exploring step (`state`: this step's, when the
         caller has it)."""
-        return (state or self.state) in (ControllerState.NORMAL, ControllerState.EXPLORING)
+        return (state if state is not None else self.state) in (ControllerState.NORMAL, ControllerState.EXPLORING)
 
     def explore_due(self) -> bool:
         """True once no tree ran for `explore_after` steps (the heads' evidence is getting stale)

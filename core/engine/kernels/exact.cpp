@@ -1374,6 +1374,14 @@ void norm_rows(const float* x, const float* weight, float* y, int64_t n, int64_t
   for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, weight + 0, y + r * h, h, eps);
 }
 
+// top_guesses of the rows x [rows, size] after rms_norm_row with `norm` (a draft layer's output norm)
+std::vector<torch::Tensor> normed_top_guesses(const float* x, int64_t rows, int64_t size, const float* norm,
+                                              const Weight& projection, int64_t width, float eps) {
+  std::vector<float> normed(rows * size);
+  norm_rows(x, norm, normed.data(), rows, size, eps);
+  return top_guesses(normed.data(), rows, projection, {}, width);
+}
+
 // x [d] rotated as the two-halves convention does it: x * cos + [-x2, x1] * sin (cos, sin [d])
 void rotate_halves(float* x, const float* cos, const float* sin, int64_t d) {
   const int64_t half = d / 2;
@@ -1475,9 +1483,7 @@ std::vector<torch::Tensor> eagle_depth(torch::Tensor parents, torch::Tensor embe
   torch::Tensor states = x.clone();  // [B, H]
   float* st = states.data_ptr<float>();
   finish_layer(st, attended.data_ptr<float>(), rows, wo, nw[2].data_ptr<float>(), wgu, wdown, ep);
-  torch::Tensor normed = torch::empty({rows, size}, opts);
-  norm_rows(st, nw[3].data_ptr<float>(), normed.data_ptr<float>(), rows, size, ep);
-  std::vector<torch::Tensor> guesses = top_guesses(normed.data_ptr<float>(), rows, projection, {}, width);
+  std::vector<torch::Tensor> guesses = normed_top_guesses(st, rows, size, nw[3].data_ptr<float>(), projection, width, ep);
   return {states, keys, values, guesses[0], guesses[1]};
 }
 
@@ -1490,9 +1496,8 @@ std::vector<torch::Tensor> normed_guesses(torch::Tensor states, torch::Tensor no
   auto w = norm.to(torch::kFloat32).contiguous();
   const int64_t rows = x.size(0), size = x.size(1);
   TORCH_CHECK(w.numel() == size && projection.in == size, "a norm and a projection of the states' width");
-  torch::Tensor normed = torch::empty({rows, size}, torch::TensorOptions().dtype(torch::kFloat32));
-  norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), normed.data_ptr<float>(), rows, size, static_cast<float>(eps));
-  return top_guesses(normed.data_ptr<float>(), rows, projection, {}, width);
+  return normed_top_guesses(x.data_ptr<float>(), rows, size, w.data_ptr<float>(), projection, width,
+                            static_cast<float>(eps));
 }
 
 // EAGLE's draft layer over n accepted positions (EagleLayer.extend with last_only): features [n, 3H]
