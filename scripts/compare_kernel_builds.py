@@ -11,11 +11,15 @@ a 150-token cache). Run it alone (it times):
 
     git show HEAD:core/engine/kernels/exact.cpp > /tmp/old.cpp
     PYTHONPATH=. .venv/bin/python scripts/compare_kernel_builds.py /tmp/old.cpp core/engine/kernels/exact.cpp \
-        [--rows 1,2,4,8,16,32,64] [--forward] [--no-check]
+        [--rows 1,2,4,8,16,32,64] [--forward [--contexts 150,1400] [--modes gguf-q8] [--counts 1,2,16]]
+        [--no-check]
+
+(`--rows ''` skips the products.) The forward's first call over each context is the prefill, timed once.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -63,35 +67,51 @@ def compare(modules: list[ModuleType], rows: list[int], check: bool = True) -> N
         print(f"{name:7} " + "   ".join(cells), flush=True)
 
 
-def compare_forwards(modules: list[ModuleType], context: int = 150, check: bool = True) -> None:
+def interleaved_ms(calls: list, rounds: int = 7) -> list[float]:
+    """Each call's median ms over `rounds` rounds of a median of 3, the calls taking turns within each
+    round (so a drift of the machine's speed falls on every call alike)."""
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, sample in zip(calls, samples):
+            sample.append(median_ms(call, 3))
+    return [sorted(sample)[len(sample) // 2] for sample in samples]
+
+
+def compare_forwards(modules: list[ModuleType], context: int = 150, check: bool = True,
+                     modes: tuple[str, ...] = ("gguf-q8", "gguf", "fp32"), counts: tuple[int, ...] = (1, 16, 64)) -> None:
     from core.engine.exact import GGUF_MODES, ExactLlama
     location = gguf_location()
-    for mode in ("gguf-q8", "gguf", "fp32"):
+    for mode in modes:
         base = load_base_model(ModelConfig(dtype=mode))
         gguf = location[0] / location[1] if mode in GGUF_MODES and location else None
         engines = [ExactLlama(base.engine.lean, module, mode, gguf) for module in modules]
-        caches = [engine.new_cache() for engine in engines]
-        prompt = torch.arange(1000, 1000 + context)
-        prefills = [engine.forward(prompt, torch.arange(context), cache) for engine, cache in zip(engines, caches)]
+        caches = [engine.new_cache(capacity=context + max(counts)) for engine in engines]
+        prompt = torch.arange(1000, 1000 + context) % 40000
+        prefills, prefill_ms = [], []
+        for engine, cache in zip(engines, caches):
+            started = time.perf_counter()
+            prefills.append(engine.forward(prompt, torch.arange(context), cache))
+            prefill_ms.append(1000 * (time.perf_counter() - started))
         assert not check or torch.equal(prefills[0], prefills[1]), (mode, "prefill")
-        cells = []
-        for count in (1, 16, 64):
+        cells = [f"prefill {prefill_ms[0]:.0f} / {prefill_ms[1]:.0f}"]
+        for count in counts:
             generator = torch.Generator().manual_seed(count)
             mask = torch.ones(count, count, dtype=torch.bool).tril_() & (torch.rand(count, count, generator=generator) < .7)
             mask |= torch.eye(count, dtype=torch.bool)  # [n, n] a random tree-like mask, each row sees itself
             tokens = torch.randint(100, 40000, (count,), generator=generator)
-            results, times = [], []
+            results, forwards = [], []
             for engine, cache in zip(engines, caches):
                 def forward(engine=engine, cache=cache) -> torch.Tensor:
                     cache.crop(context)
                     return engine.forward(tokens, torch.arange(context, context + count), cache, tree_mask=mask)
                 hidden = forward()
                 results.append((hidden, engine.project(hidden)))
-                times.append(median_ms(forward, 7))
+                forwards.append(forward)
             assert not check or all(torch.equal(a, b) for a, b in zip(*results)), (mode, count)
+            times = interleaved_ms(forwards)
             cells.append(f"{count} rows {times[0]:.1f} / {times[1]:.1f}")
         equal = "hidden states and logits bitwise equal" if check else "not checked (--no-check)"
-        print(f"{mode} forward, ms old / new ({equal}): " + ", ".join(cells), flush=True)
+        print(f"{mode} forward over {context} cached tokens, ms old / new ({equal}): " + ", ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -100,15 +120,21 @@ def main() -> None:
     parser.add_argument("new", type=Path)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--forward", action="store_true", help="also the shipped model's forward, old / new")
+    parser.add_argument("--contexts", default="150", help="--forward: cached tokens under the new rows (comma list)")
+    parser.add_argument("--modes", default="gguf-q8,gguf,fp32", help="--forward: precisions (comma list)")
+    parser.add_argument("--counts", default="1,16,64", help="--forward: new rows (comma list)")
     parser.add_argument("--no-check", action="store_true", help="time only: the change is meant to change numbers")
     args = parser.parse_args()
     modules = [build(args.old, "compare_old"), build(args.new, "compare_new")]
     checked = "not checked (--no-check)" if args.no_check else "asserted"
     print(f"ISA {modules[0].ISA} / {modules[1].ISA}, {torch.get_num_threads()} threads; ms of {LAYERS} layers' "
           f"products, old / new (bitwise equal: {checked})")
-    compare(modules, [int(r) for r in args.rows.split(",")], check=not args.no_check)
+    if args.rows:
+        compare(modules, [int(r) for r in args.rows.split(",")], check=not args.no_check)
     if args.forward:
-        compare_forwards(modules, check=not args.no_check)
+        for context in (int(c) for c in args.contexts.split(",")):
+            compare_forwards(modules, context, check=not args.no_check, modes=tuple(args.modes.split(",")),
+                             counts=tuple(int(c) for c in args.counts.split(",")))
 
 
 if __name__ == "__main__":

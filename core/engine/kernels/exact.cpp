@@ -139,30 +139,44 @@ inline v16f bf16_to_float(const uint8_t* p) {
 #endif
 }
 
-inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// x in every lane of a V (a broadcast)
+template <typename V>
+inline V splat(float x) {
+  V v;
+  for (size_t i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = x;
+  return v;
+}
+template <typename V>
+inline V vmax(V a, V b) { return a > b ? a : b; }
 
 // e^x per lane (Cephes' expf: range reduction by ln 2, degree-5 polynomial, 2^n by exponent bits);
-// lane-independent, so an element's value never depends on where it sits in a vector
-inline v16f vexp(v16f x) {
-  x = vmax(x, vset(-87.0f));
-  x = x < vset(88.0f) ? x : vset(88.0f);
-  v16f fx = x * 1.44269504088896341f + 0.5f;
-  v16i truncated = __builtin_convertvector(fx, v16i);
-  v16f floored = __builtin_convertvector(truncated, v16f);
-  floored = floored - __builtin_convertvector((floored > fx) & 1, v16f);  // floor
+// lane-independent, so an element's value never depends on where it sits in a vector, or on the vector's
+// width (V, I: 16 or 8 lanes of float and int32; AVX2 runs the 8-lane one, which GCC keeps in registers)
+template <typename V, typename I>
+inline V vexp_lanes(V x) {
+  x = vmax(x, splat<V>(-87.0f));
+  x = x < splat<V>(88.0f) ? x : splat<V>(88.0f);
+  V fx = x * 1.44269504088896341f + 0.5f;
+  I truncated = __builtin_convertvector(fx, I);
+  V floored = __builtin_convertvector(truncated, V);
+  floored = floored - __builtin_convertvector((floored > fx) & 1, V);  // floor
   x = x - floored * 0.693359375f;
   x = x - floored * -2.12194440e-4f;
-  v16f z = x * x;
-  v16f y = vset(1.9875691500e-4f);
+  V z = x * x;
+  V y = splat<V>(1.9875691500e-4f);
   y = y * x + 1.3981999507e-3f;
   y = y * x + 8.3334519073e-3f;
   y = y * x + 4.1665795894e-2f;
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  v16i bits = (__builtin_convertvector(floored, v16i) + 127) << 23;
-  return y * (v16f)bits;
+  I bits = (__builtin_convertvector(floored, I) + 127) << 23;
+  return y * (V)bits;
 }
+inline v16f vexp(v16f x) { return vexp_lanes<v16f, v16i>(x); }
+inline v8f vexp8(v8f x) { return vexp_lanes<v8f, v8i>(x); }
 
 // fp16 -> fp32 (exact either way): one instruction where the CPU has F16C
 inline float half_to_float(uint16_t h) {
@@ -1056,9 +1070,9 @@ inline void key_dots16(const float* q, const float* const* key, int64_t d, float
   _mm512_storeu_ps(scores, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
 }
 #else
-// without AVX512: the 16 keys one at a time (the same sums: a key's lanes never depend on the others)
+// without AVX512: KEYS_AT_ONCE keys at a time (the same sums: a key's lanes never depend on the others)
 inline void key_dots16(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
-  for (int j = 0; j < 16; ++j) key_dots<1>(q, key + j, d, scale, scores + j);
+  for (int j = 0; j < 16; j += KEYS_AT_ONCE) key_dots<KEYS_AT_ONCE>(q, key + j, d, scale, scores + j);
 }
 #endif
 
@@ -1095,6 +1109,26 @@ inline void weighted_values(const float* weight, int64_t total, const ValueAt& v
 inline float softmax_weights(float* scores, int64_t total) {
   const int64_t padded = (total + LANES - 1) / LANES * LANES;
   for (int64_t t = total; t < padded; ++t) scores[t] = -INFINITY;
+#if defined(HALF_LANES)
+  // the same lanes on 8-lane halves (GCC spills 16-lane vectors here on AVX2): lanes 0-7 of each 16,
+  // then 8-15; the max over the same 16 lane maxima, the sum by hsum's tree
+  v8f top[2] = {splat<v8f>(-INFINITY), splat<v8f>(-INFINITY)};
+  for (int64_t t = 0; t < padded; t += LANES)
+    for (int h = 0; h < 2; ++h) top[h] = vmax(top[h], vload8(&scores[t + 8 * h]));
+  v16f lanes;
+  std::memcpy(&lanes, top, sizeof lanes);
+  const v8f peak = splat<v8f>(hmax(lanes));
+  v8f sum[2] = {v8f{}, v8f{}};
+  for (int64_t t = 0; t < padded; t += LANES)
+    for (int h = 0; h < 2; ++h) {
+      v8f p = vexp8(vload8(&scores[t + 8 * h]) - peak);
+      if (t + 8 * h + 8 > total)  // padding lanes weigh nothing
+        for (int64_t l = std::max<int64_t>(0, total - t - 8 * h); l < 8; ++l) p[l] = 0.0f;
+      std::memcpy(&scores[t + 8 * h], &p, sizeof p);
+      sum[h] = sum[h] + p;
+    }
+  return 1.0f / hsum_halves(sum[0], sum[1]);
+#else
   v16f top = vset(-INFINITY);
   for (int64_t t = 0; t < padded; t += LANES) top = vmax(top, vload(&scores[t]));
   const v16f peak = vset(hmax(top));
@@ -1107,6 +1141,7 @@ inline float softmax_weights(float* scores, int64_t total) {
     sum = sum + p;
   }
   return 1.0f / hsum(sum);
+#endif
 }
 
 // one query row and head over the keys it sees: rows [0, past) of the cache, then the new rows
@@ -1142,12 +1177,14 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
   for (; c < chunks; ++c) weighted_values<1>(scores.data(), total, value_at, c * LANES, inverse, out);
 }
 
-#if !defined(HALF_LANES)
 // Several queries of one KV group (its heads, one or more rows) that see the same first `shared` keys
 // (the cache, then the new rows their `seen` lists have in common): each shared key and value is loaded
 // once for all of them, and each query's arithmetic is attend_one's, term for term (a key's score is
 // the same dot product; the softmax is softmax_weights; each output lane sums its keys in order).
-constexpr int SHARED_QUERIES = 6;  // 6 x 4 accumulators and a value's 4 registers within 32 zmm
+// AVX512: 6 queries x 4 value chunks of accumulators and a value's 4 registers within 32 zmm; AVX2: 6
+// queries x one chunk (two 8-lane halves each) and a value's two halves within 16 ymm.
+constexpr int SHARED_QUERIES = 6;
+constexpr int64_t SHARED_ATTENTION_ROWS = 32;  // AVX2: rows from which attention runs by KV group
 
 struct AttentionQuery {
   const float* q;
@@ -1156,38 +1193,75 @@ struct AttentionQuery {
   float* out;
 };
 
-void attend_shared(const AttentionQuery* queries, int count, const float* keys, const float* values, int64_t past,
-                   int64_t shared_new, int64_t d, float scale, std::vector<float>* scores) {
-  const int64_t shared = past + shared_new;
-  auto position = [&](const AttentionQuery& query, int64_t t) { return t < past ? t : past + query.seen[t - past]; };
-  for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
-  int64_t t = 0;
-  for (; t + 16 <= shared; t += 16) {  // shared keys 16 at a time: read from cache by every query after the first
+inline int64_t key_position(const AttentionQuery& query, int64_t past, int64_t t) {
+  return t < past ? t : past + query.seen[t - past];
+}
+
+// Scores of the shared keys [begin, end) (begin a multiple of 16 or the end of the 16-key blocks), each
+// loaded once for all `count` queries: 16 at a time, then one at a time; each score key_dots' own.
+void shared_scores(const AttentionQuery* queries, int count, const float* keys, int64_t past, int64_t shared,
+                   int64_t begin, int64_t end, int64_t d, float scale, std::vector<float>* scores) {
+  int64_t t = begin;
+  for (; t + 16 <= std::min(end, shared); t += 16) {  // read from cache by every query after the first
     const float* block[16];
-    for (int j = 0; j < 16; ++j) block[j] = keys + position(queries[0], t + j) * d;
+    for (int j = 0; j < 16; ++j) block[j] = keys + key_position(queries[0], past, t + j) * d;
     for (int g = 0; g < count; ++g) key_dots16(queries[g].q, block, d, scale, &scores[g][t]);
   }
-  for (; t < shared; ++t) {  // shared keys: loaded once, each query's score key_dots' own
-    const float* key[1] = {keys + position(queries[0], t) * d};
+  for (; t < std::min(end, shared); ++t) {
+    const float* key[1] = {keys + key_position(queries[0], past, t) * d};
     for (int g = 0; g < count; ++g) key_dots<1>(queries[g].q, key, d, scale, &scores[g][t]);
   }
-  float inverse[SHARED_QUERIES];
-  for (int g = 0; g < count; ++g) {  // each query's own keys, then its softmax
-    const AttentionQuery& query = queries[g];
-    const int64_t total = past + query.seen_count;
-    for (int64_t t = shared; t < total; ++t) {
-      const float* one[1] = {keys + position(query, t) * d};
-      key_dots<1>(query.q, one, d, scale, &scores[g][t]);
+}
+
+// Each query's own keys (the new rows it sees beyond the shared ones)
+void own_scores(const AttentionQuery* queries, int count, const float* keys, int64_t past, int64_t shared, int64_t d,
+                float scale, std::vector<float>* scores) {
+  for (int g = 0; g < count; ++g)
+    for (int64_t t = shared; t < past + queries[g].seen_count; ++t) {
+      const float* one[1] = {keys + key_position(queries[g], past, t) * d};
+      key_dots<1>(queries[g].q, one, d, scale, &scores[g][t]);
     }
-    inverse[g] = softmax_weights(scores[g].data(), total);
+}
+
+// The weighted values of output lanes [begin, end) (whole 16-lane chunks), lane for lane attend_one's
+// weighted_values: every shared key's value loaded once for all queries, then each query's own keys;
+// each output lane sums weight x value over its keys in position order, then times the query's inverse.
+void shared_values(const AttentionQuery* queries, int count, const float* values, int64_t past, int64_t shared,
+                   int64_t begin, int64_t end, int64_t d, const std::vector<float>* scores, const float* inverse) {
+#if defined(HALF_LANES)
+  for (int64_t first = begin; first < end; first += LANES) {  // one chunk as two 8-lane halves
+    v8f acc[SHARED_QUERIES][2];
+    for (int g = 0; g < count; ++g) acc[g][0] = acc[g][1] = v8f{};
+    for (int64_t t = 0; t < shared; ++t) {
+      const float* value = values + key_position(queries[0], past, t) * d + first;
+      const v8f low = vload8(value), high = vload8(value + 8);
+      for (int g = 0; g < count; ++g) {
+        const v8f w = (v8f)_mm256_set1_ps(scores[g][t]);
+        acc[g][0] = vfma8(w, low, acc[g][0]);
+        acc[g][1] = vfma8(w, high, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < count; ++g) {
+      const AttentionQuery& query = queries[g];
+      for (int64_t t = shared; t < past + query.seen_count; ++t) {
+        const float* value = values + key_position(query, past, t) * d + first;
+        const v8f w = (v8f)_mm256_set1_ps(scores[g][t]);
+        acc[g][0] = vfma8(w, vload8(value), acc[g][0]);
+        acc[g][1] = vfma8(w, vload8(value + 8), acc[g][1]);
+      }
+      const v8f low = acc[g][0] * inverse[g], high = acc[g][1] * inverse[g];
+      std::memcpy(query.out + first, &low, sizeof low);
+      std::memcpy(query.out + first + 8, &high, sizeof high);
+    }
   }
-  for (int64_t first = 0; first < d; first += CHUNKS_AT_ONCE * LANES) {
-    const int chunks = static_cast<int>(std::min<int64_t>(CHUNKS_AT_ONCE, (d - first) / LANES));
+#else
+  for (int64_t first = begin; first < end; first += CHUNKS_AT_ONCE * LANES) {
+    const int chunks = static_cast<int>(std::min<int64_t>(CHUNKS_AT_ONCE, (end - first) / LANES));
     v16f acc[SHARED_QUERIES][CHUNKS_AT_ONCE];
     for (int g = 0; g < count; ++g)
       for (int c = 0; c < chunks; ++c) acc[g][c] = v16f{};
-    for (int64_t t = 0; t < shared; ++t) {  // shared values: loaded once
-      const float* value = values + position(queries[0], t) * d + first;
+    for (int64_t t = 0; t < shared; ++t) {
+      const float* value = values + key_position(queries[0], past, t) * d + first;
       v16f v[CHUNKS_AT_ONCE];
       for (int c = 0; c < chunks; ++c) v[c] = vload(value + c * LANES);
       for (int g = 0; g < count; ++g) {
@@ -1198,15 +1272,30 @@ void attend_shared(const AttentionQuery* queries, int count, const float* keys, 
     for (int g = 0; g < count; ++g) {
       const AttentionQuery& query = queries[g];
       for (int64_t t = shared; t < past + query.seen_count; ++t) {
-        const float* value = values + position(query, t) * d + first;
+        const float* value = values + key_position(query, past, t) * d + first;
         const v16f w = vset(scores[g][t]);
         for (int c = 0; c < chunks; ++c) acc[g][c] = vfma(w, vload(value + c * LANES), acc[g][c]);
       }
       for (int c = 0; c < chunks; ++c) vstore(query.out + first + c * LANES, acc[g][c] * inverse[g]);
     }
   }
-}
 #endif
+}
+
+void size_scores(const AttentionQuery* queries, int count, int64_t past, std::vector<float>* scores) {
+  for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
+}
+
+void attend_shared(const AttentionQuery* queries, int count, const float* keys, const float* values, int64_t past,
+                   int64_t shared_new, int64_t d, float scale, std::vector<float>* scores) {
+  const int64_t shared = past + shared_new;
+  size_scores(queries, count, past, scores);
+  shared_scores(queries, count, keys, past, shared, 0, shared, d, scale, scores);
+  own_scores(queries, count, keys, past, shared, d, scale, scores);
+  float inverse[SHARED_QUERIES];
+  for (int g = 0; g < count; ++g) inverse[g] = softmax_weights(scores[g].data(), past + queries[g].seen_count);
+  shared_values(queries, count, values, past, shared, 0, d, d, scores, inverse);
+}
 
 // -- drafting ---------------------------------------------------------------------------------------
 // A draft only proposes (the verify decides every token), so none of this needs row invariance; it
@@ -1806,12 +1895,25 @@ class Model {
     });
   }
 
+  // Whether n rows' attention runs by KV group (attention_shared) rather than by head (attend_one): always
+  // with AVX512; with AVX2 from SHARED_ATTENTION_ROWS rows (a prefill). On a 2-core Zen 3, interleaved
+  // runs, gguf-q8, by group against by head: a 1,400-token prefill 3.2 against 4.5 s; trees of 1-16 rows
+  // over 150 or 1,400 cached tokens within -7 % to +4 % (3 rows: a group's task per KV head, 3 tasks on 2
+  // threads, where by head 9 tasks share out evenly)
+  bool shared_attention_pays(int64_t n) const {
+    if (cfg.heads / cfg.kv_heads > SHARED_QUERIES) return false;
+#if defined(HALF_LANES)
+    return n >= SHARED_ATTENTION_ROWS;
+#else
+    (void)n;
+    return true;
+#endif
+  }
+
   void attention(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past, const float* keys,
                  const float* values, int64_t capacity, float* out) const {
-#if !defined(HALF_LANES)
-    if (cfg.heads / cfg.kv_heads <= SHARED_QUERIES)
+    if (shared_attention_pays(static_cast<int64_t>(seen.size())))
       return attention_shared(qkv, seen, past, keys, values, capacity, out);
-#endif
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
     auto attend = [&](int64_t begin, int64_t end) {
@@ -1828,43 +1930,50 @@ class Model {
     else at::parallel_for(0, n * cfg.heads, 1, attend);
   }
 
-#if !defined(HALF_LANES)
+  // The queries of KV group kv's heads for the rows of row block `block` -> their count; `common`: how
+  // many new rows all of them see first, in the same order
+  int block_queries(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t block, int64_t kv,
+                    int64_t rows_per_block, float* out, AttentionQuery* queries, int64_t& common) const {
+    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
+    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
+    const int64_t first = block * rows_per_block, last = std::min(n, first + rows_per_block);
+    int count = 0;
+    common = static_cast<int64_t>(seen[first].size());
+    for (int64_t i = first; i < last; ++i) {
+      int64_t same = 0;
+      while (same < common && same < static_cast<int64_t>(seen[i].size()) && seen[i][same] == seen[first][same])
+        ++same;
+      common = same;
+      for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
+        queries[count++] = {qkv + i * width + head * d, seen[i].data(), static_cast<int64_t>(seen[i].size()),
+                            out + i * cfg.heads * d + head * d};
+    }
+    return count;
+  }
+
   // Tasks of one KV group's heads for a block of rows (as many as SHARED_QUERIES queries allow), each
   // reading the keys and values its rows share once (attend_shared). Blocks are dealt from both ends
   // (first, last, second, ...) so the threads' contiguous shares cost alike in a causal prefill.
   void attention_shared(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past,
                         const float* keys, const float* values, int64_t capacity, float* out) const {
-    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
-    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
+    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim, group = cfg.heads / cfg.kv_heads;
     const int64_t rows_per_block = std::max<int64_t>(1, SHARED_QUERIES / group);
-    const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
+    const int64_t blocks = (n + rows_per_block - 1) / rows_per_block, tasks = blocks * cfg.kv_heads;
     auto attend = [&](int64_t begin, int64_t end) {
       std::vector<float> scores[SHARED_QUERIES];
       AttentionQuery queries[SHARED_QUERIES];
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kv = task % cfg.kv_heads, order = task / cfg.kv_heads;
         const int64_t block = order % 2 == 0 ? order / 2 : blocks - 1 - order / 2;
-        const int64_t first = block * rows_per_block, last = std::min(n, first + rows_per_block);
-        int count = 0;
-        int64_t common = static_cast<int64_t>(seen[first].size());
-        for (int64_t i = first; i < last; ++i) {
-          int64_t same = 0;  // the new rows every row of the block sees first, in the same order
-          while (same < common && same < static_cast<int64_t>(seen[i].size()) && seen[i][same] == seen[first][same])
-            ++same;
-          common = same;
-          for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
-            queries[count++] = {qkv + i * width + head * d, seen[i].data(), static_cast<int64_t>(seen[i].size()),
-                                out + i * cfg.heads * d + head * d};
-        }
+        int64_t common = 0;
+        const int count = block_queries(qkv, seen, block, kv, rows_per_block, out, queries, common);
         attend_shared(queries, count, keys + kv * capacity * d, values + kv * capacity * d, past, common, d,
                       cfg.scale, scores);
       }
     };
-    const int64_t tasks = blocks * cfg.kv_heads;
     if (n * cfg.heads * (past + n) < PARALLEL_KEYS) attend(0, tasks);
     else at::parallel_for(0, tasks, 1, attend);
   }
-#endif
 
   void silu_mul(const float* gate_up, float* out, int64_t n) const {
     const int64_t width = cfg.intermediate;
@@ -1872,10 +1981,17 @@ class Model {
       for (int64_t r = begin; r < end; ++r) {
         const float* gate = gate_up + r * 2 * width;
         const float* up = gate + width;
+#if defined(HALF_LANES)
+        for (int64_t i = 0; i < width; i += 8) {  // the same per lane, in registers GCC keeps
+          const v8f g = vload8(gate + i), value = g / (vexp8(-g) + 1.0f) * vload8(up + i);
+          std::memcpy(out + r * width + i, &value, sizeof value);
+        }
+#else
         for (int64_t i = 0; i < width; i += LANES) {
           const v16f g = vload(gate + i);
           vstore(out + r * width + i, g / (vexp(-g) + 1.0f) * vload(up + i));
         }
+#endif
       }
     });
   }
