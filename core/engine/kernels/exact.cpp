@@ -1197,17 +1197,17 @@ inline int64_t key_position(const AttentionQuery& query, int64_t past, int64_t t
   return t < past ? t : past + query.seen[t - past];
 }
 
-// Scores of the shared keys [begin, end) (begin a multiple of 16 or the end of the 16-key blocks), each
-// loaded once for all `count` queries: 16 at a time, then one at a time; each score key_dots' own.
+// Scores of the first `shared` keys, each loaded once for all `count` queries: 16 at a time, then one at
+// a time; each score key_dots' own.
 void shared_scores(const AttentionQuery* queries, int count, const float* keys, int64_t past, int64_t shared,
-                   int64_t begin, int64_t end, int64_t d, float scale, std::vector<float>* scores) {
-  int64_t t = begin;
-  for (; t + 16 <= std::min(end, shared); t += 16) {  // read from cache by every query after the first
+                   int64_t d, float scale, std::vector<float>* scores) {
+  int64_t t = 0;
+  for (; t + 16 <= shared; t += 16) {  // read from cache by every query after the first
     const float* block[16];
     for (int j = 0; j < 16; ++j) block[j] = keys + key_position(queries[0], past, t + j) * d;
     for (int g = 0; g < count; ++g) key_dots16(queries[g].q, block, d, scale, &scores[g][t]);
   }
-  for (; t < std::min(end, shared); ++t) {
+  for (; t < shared; ++t) {
     const float* key[1] = {keys + key_position(queries[0], past, t) * d};
     for (int g = 0; g < count; ++g) key_dots<1>(queries[g].q, key, d, scale, &scores[g][t]);
   }
@@ -1223,13 +1223,13 @@ void own_scores(const AttentionQuery* queries, int count, const float* keys, int
     }
 }
 
-// The weighted values of output lanes [begin, end) (whole 16-lane chunks), lane for lane attend_one's
-// weighted_values: every shared key's value loaded once for all queries, then each query's own keys;
-// each output lane sums weight x value over its keys in position order, then times the query's inverse.
+// The weighted values, lane for lane attend_one's weighted_values: every shared key's value loaded once
+// for all queries, then each query's own keys; each output lane sums weight x value over its keys in
+// position order, then times the query's inverse.
 void shared_values(const AttentionQuery* queries, int count, const float* values, int64_t past, int64_t shared,
-                   int64_t begin, int64_t end, int64_t d, const std::vector<float>* scores, const float* inverse) {
+                   int64_t d, const std::vector<float>* scores, const float* inverse) {
 #if defined(HALF_LANES)
-  for (int64_t first = begin; first < end; first += LANES) {  // one chunk as two 8-lane halves
+  for (int64_t first = 0; first < d; first += LANES) {  // one chunk as two 8-lane halves
     v8f acc[SHARED_QUERIES][2];
     for (int g = 0; g < count; ++g) acc[g][0] = acc[g][1] = v8f{};
     for (int64_t t = 0; t < shared; ++t) {
@@ -1255,8 +1255,8 @@ void shared_values(const AttentionQuery* queries, int count, const float* values
     }
   }
 #else
-  for (int64_t first = begin; first < end; first += CHUNKS_AT_ONCE * LANES) {
-    const int chunks = static_cast<int>(std::min<int64_t>(CHUNKS_AT_ONCE, (end - first) / LANES));
+  for (int64_t first = 0; first < d; first += CHUNKS_AT_ONCE * LANES) {
+    const int chunks = static_cast<int>(std::min<int64_t>(CHUNKS_AT_ONCE, (d - first) / LANES));
     v16f acc[SHARED_QUERIES][CHUNKS_AT_ONCE];
     for (int g = 0; g < count; ++g)
       for (int c = 0; c < chunks; ++c) acc[g][c] = v16f{};
@@ -1282,19 +1282,15 @@ void shared_values(const AttentionQuery* queries, int count, const float* values
 #endif
 }
 
-void size_scores(const AttentionQuery* queries, int count, int64_t past, std::vector<float>* scores) {
-  for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
-}
-
 void attend_shared(const AttentionQuery* queries, int count, const float* keys, const float* values, int64_t past,
                    int64_t shared_new, int64_t d, float scale, std::vector<float>* scores) {
   const int64_t shared = past + shared_new;
-  size_scores(queries, count, past, scores);
-  shared_scores(queries, count, keys, past, shared, 0, shared, d, scale, scores);
+  for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
+  shared_scores(queries, count, keys, past, shared, d, scale, scores);
   own_scores(queries, count, keys, past, shared, d, scale, scores);
   float inverse[SHARED_QUERIES];
   for (int g = 0; g < count; ++g) inverse[g] = softmax_weights(scores[g].data(), past + queries[g].seen_count);
-  shared_values(queries, count, values, past, shared, 0, d, d, scores, inverse);
+  shared_values(queries, count, values, past, shared, d, scores, inverse);
 }
 
 // -- drafting ---------------------------------------------------------------------------------------
