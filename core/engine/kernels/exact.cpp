@@ -1926,33 +1926,13 @@ class Model {
     else at::parallel_for(0, n * cfg.heads, 1, attend);
   }
 
-  // The queries of KV group kv's heads for the rows of row block `block` -> their count; `common`: how
-  // many new rows all of them see first, in the same order
-  int block_queries(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t block, int64_t kv,
-                    int64_t rows_per_block, float* out, AttentionQuery* queries, int64_t& common) const {
-    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
-    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
-    const int64_t first = block * rows_per_block, last = std::min(n, first + rows_per_block);
-    int count = 0;
-    common = static_cast<int64_t>(seen[first].size());
-    for (int64_t i = first; i < last; ++i) {
-      int64_t same = 0;
-      while (same < common && same < static_cast<int64_t>(seen[i].size()) && seen[i][same] == seen[first][same])
-        ++same;
-      common = same;
-      for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
-        queries[count++] = {qkv + i * width + head * d, seen[i].data(), static_cast<int64_t>(seen[i].size()),
-                            out + i * cfg.heads * d + head * d};
-    }
-    return count;
-  }
-
   // Tasks of one KV group's heads for a block of rows (as many as SHARED_QUERIES queries allow), each
   // reading the keys and values its rows share once (attend_shared). Blocks are dealt from both ends
   // (first, last, second, ...) so the threads' contiguous shares cost alike in a causal prefill.
   void attention_shared(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past,
                         const float* keys, const float* values, int64_t capacity, float* out) const {
-    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim, group = cfg.heads / cfg.kv_heads;
+    const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
+    const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
     const int64_t rows_per_block = std::max<int64_t>(1, SHARED_QUERIES / group);
     const int64_t blocks = (n + rows_per_block - 1) / rows_per_block, tasks = blocks * cfg.kv_heads;
     auto attend = [&](int64_t begin, int64_t end) {
@@ -1961,8 +1941,18 @@ class Model {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kv = task % cfg.kv_heads, order = task / cfg.kv_heads;
         const int64_t block = order % 2 == 0 ? order / 2 : blocks - 1 - order / 2;
-        int64_t common = 0;
-        const int count = block_queries(qkv, seen, block, kv, rows_per_block, out, queries, common);
+        const int64_t first = block * rows_per_block, last = std::min(n, first + rows_per_block);
+        int count = 0;
+        int64_t common = static_cast<int64_t>(seen[first].size());
+        for (int64_t i = first; i < last; ++i) {
+          int64_t same = 0;  // the new rows every row of the block sees first, in the same order
+          while (same < common && same < static_cast<int64_t>(seen[i].size()) && seen[i][same] == seen[first][same])
+            ++same;
+          common = same;
+          for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
+            queries[count++] = {qkv + i * width + head * d, seen[i].data(), static_cast<int64_t>(seen[i].size()),
+                                out + i * cfg.heads * d + head * d};
+        }
         attend_shared(queries, count, keys + kv * capacity * d, values + kv * capacity * d, past, common, d,
                       cfg.scale, scores);
       }
