@@ -408,9 +408,12 @@ class DecodeSession:
         return out
 
     def _build(self, heads: Proposal | None, chains: list[Chain], plan: StepPlan,
-               max_depth: int) -> DraftTree:
+               max_depth: int) -> DraftTree | None:
         """The step's tree: the policy's tree of the plan's node budget, cut to the context, then
-        to the prefix the controller chooses (all of it unless `auto`)."""
+        to the prefix the controller chooses (all of it unless `auto`); None when the chains alone
+        cannot pay (the step is then a plain one)."""
+        if heads is None and not self.controller.chains_may_pay(chains, cache_length(self.cache)):
+            return None
         fixed = self.fixed if self.family.decodes_fixed_tree else None
         draft = build_draft_tree(heads, chains, plan.max_nodes, self.config.top_m, self.config.depth, fixed)
         draft = draft.stop_after(self.root_token, self.eos_token_ids)

@@ -33,8 +33,10 @@ class DraftTree:
 
         Any such selection of a prefix-closed, parents-first order is itself a tree."""
         paths = self.tree.paths[:size] if size is not None else self.tree.paths
-        if max_depth is not None:
+        if max_depth is not None and self.tree.max_depth > max_depth:
             paths = [p for p in paths if len(p) <= max_depth]
+        if len(paths) == self.tree.num_nodes:  # nothing cut
+            return self
         return self._restricted(set(paths))
 
     def stop_after(self, root_token: int, stop_tokens: frozenset[int]) -> "DraftTree":
@@ -43,9 +45,14 @@ class DraftTree:
         if not stop_tokens or self.tree.num_nodes == 0:
             return self
         tokens = self.tree.node_tokens(root_token, self.token_table).tolist()  # [n+1]
-        ends = {path for path, token in zip(self.tree.paths, tokens[1:]) if token in stop_tokens}
-        kept = {p for p in self.tree.paths if not any(p[:d] in ends for d in range(1, len(p)))}
-        return self if len(kept) == self.tree.num_nodes else self._restricted(kept)
+        if not stop_tokens.intersection(tokens[1:]):
+            return self
+        parents = self.tree.parents
+        cut = [False] * len(tokens)  # node i is dropped: its parent ends the text or was dropped (parents first)
+        for node in range(1, len(tokens)):
+            parent = parents[node]
+            cut[node] = parent > 0 and (cut[parent] or tokens[parent] in stop_tokens)
+        return self._restricted({p for p, dropped in zip(self.tree.paths, cut[1:]) if not dropped})
 
     def _restricted(self, kept: set[RankPath]) -> "DraftTree":
         """This tree on the prefix-closed subset `kept` of its paths, order and scores kept."""

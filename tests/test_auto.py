@@ -1,9 +1,12 @@
 """The adaptive budget's controller (`core.budget.controller`): calibration from the heads' own scores only."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from core.budget.controller import FIRST_DRAFT_LIMIT, AutoBudget
@@ -422,3 +425,77 @@ def test_the_page_sees_the_whole_proposal_where_a_step_verified_part_of_it(spec)
         assert sorted(i for i, o in enumerate(nodes.marker.opacity) if o < 1) == sorted(unverified)
     bench = decode(base, heads, prompt, DecodeConfig(spec=spec, max_new_tokens=24, top_m=8), page=PageViews(texts=False))
     assert bench.output_ids == session.output_ids and all(r.proposal is None for r in bench.records)
+
+
+chain_lists = st.lists(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12), min_size=1, max_size=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(chain_lists, st.lists(st.integers(0, 5), min_size=1, max_size=3), st.floats(1.0, 30.0), st.floats(0.0, 4.0))
+def test_chains_skipped_before_building_are_chains_the_controller_would_cut_to_the_root(chances, firsts, slope, extra):
+    """`chains_may_pay` (no tree built) is a bound: where it says no, the built tree of those chains
+    is cut to the root alone by `choose`, whatever the chains share, the profile or the heads' tree
+    overhead (chains alone are not charged it)."""
+    profile = CostProfile(sizes=[1, 2, 64], ms=[20.0, 20.0 + slope, 20.0 + 63 * slope])
+    auto = AutoBudget(profile)
+    auto.tree_finishes.append(extra)
+    auto.root_finishes.append(0.0)
+    chains = []
+    for j, estimates in enumerate(chances):  # chains on shared or distinct first tokens, estimates non-increasing
+        first = firsts[j % len(firsts)]
+        chains.append(Chain(tokens=[first] + [10 * (j + 1) + d for d in range(1, len(estimates))],
+                            chances=sorted(estimates, reverse=True), source="lookup"))
+    draft = build_draft_tree(None, chains, budget=63, top_m=4, depth=4)
+    if not auto.chains_may_pay(chains, context=100):
+        assert auto.choose(draft, heads_used=False, context=100) == 0
+
+
+def test_a_chain_is_skipped_where_it_cannot_pay_and_verified_where_it_can():
+    steep = CostProfile(sizes=[1, 2, 64], ms=[20.0, 30.0, 200.0])
+    weak = [Chain(tokens=[5, 6, 7], chances=[0.3, 0.2, 0.1], source="lookup")]
+    strong = [Chain(tokens=[5, 6, 7], chances=[0.99, 0.98, 0.97], source="lookup")]
+    assert not AutoBudget(steep).chains_may_pay(weak, context=100)
+    assert AutoBudget(steep).chains_may_pay(strong, context=100)
+    assert AutoBudget(PROFILE).chains_may_pay(weak, context=100)  # nearly free rows: even a weak chain
+    dear_trees = AutoBudget(PROFILE, tree_finishes=deque([50.0]), root_finishes=deque([0.0]))
+    assert dear_trees.chains_may_pay(weak, context=100)  # the heads' tree overhead is not charged to chains
+
+
+def test_what_a_tree_costs_beyond_the_verify_is_measured_and_priced():
+    """Accepting and committing a tree costs more than a root-only step's token: measured from the
+    records, it turns a one-node tree that only pays without it into the root alone."""
+    proposal = HeadProposal(probs=torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 2), token_ids=torch.arange(8).reshape(2, 4))
+    draft = build_draft_tree(proposal, [], budget=1, top_m=4, depth=2)
+    expected, overhead = AutoBudget(PROFILE).expected(draft)[0], AutoBudget(PROFILE).overhead_ms(heads_used=True)
+    # a one-node tree costs 0.5 ms less than its expected tokens at the plain rate: it pays, barely
+    plain_ms = 20.0 + overhead
+    profile = CostProfile(sizes=[1, 2, 64], ms=[20.0, plain_ms * (1 + expected) - overhead - 0.5, 200.0])
+    auto = AutoBudget(profile)
+    assert auto.tree_overhead_ms() == 0.0 and auto.choose(draft, heads_used=True, context=100) == 1
+    root_only = draft.keep(size=0)
+    for index in range(4):  # root-only steps finish in 0.05 ms, tree steps in 1.05 ms
+        auto.observe(replace(record(root_only, []), index=2 * index, times=PhaseTimes(verify=0.02, accept=0.00005)))
+        auto.observe(replace(record(draft, []), index=2 * index + 1,
+                             times=PhaseTimes(verify=0.022, accept=0.00095, commit=0.0001)))
+    assert auto.tree_overhead_ms() == pytest.approx(1.0)
+    fresh = AutoBudget(profile, tree_finishes=auto.tree_finishes, root_finishes=auto.root_finishes)
+    assert fresh.choose(draft, heads_used=True, context=100) == 0
+
+
+def test_a_step_whose_chains_cannot_pay_is_a_plain_step():
+    """The decoder asks before building: chains that cannot pay give a plain step (no tree built,
+    verified or accepted), and the text is plain greedy's."""
+    from core.decoder import DecodeConfig, PageViews, start_session
+    from tests.tiny import greedy_reference, tiny_base, tiny_heads
+
+    base = tiny_base("llama")
+    prompt = list(range(30, 50)) * 2  # the lookup finds its continuations
+    session = start_session(base, tiny_heads(base), prompt, DecodeConfig(spec="dynamic:auto+lookup", max_new_tokens=16),
+                            page=PageViews(texts=False))
+    asked = []
+    session.controller.plain_until = 10 ** 6  # backing off: the chains alone each step
+    session.controller.chains_may_pay = lambda chains, context: asked.append(chains) or False
+    records = list(session.run())
+    assert asked and all(r.kind == StepKind.PLAIN and r.outcome.tree.num_nodes == 0 for r in records)
+    assert all(not r.outcome.chain_sources for r in records)
+    assert session.output_ids == greedy_reference(base, prompt, 16)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.drafters.interface import Chain
+from core.drafters.interface import Chain, HeadProposal
 from core.drafters.lookup import ChainStats, LookupDraft, lookup_drafts
 from core.budget.cost_profile import CostProfile, best_prefix
 from core.tree import CandidateTree, dynamic_tree
@@ -173,3 +173,26 @@ def test_lookup_chains_grow_while_copies_run_long_and_shrink_after_a_miss():
     assert len(drafter.propose(context)[0].tokens) == 16
     drafter.observe(drafter.propose(context), [16], [5, 99])  # rejected early: back to the base
     assert len(drafter.propose(context)[0].tokens) == 4
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 30), st.lists(st.integers(0, 40), min_size=1, max_size=12),
+       st.sets(st.integers(0, 40), max_size=4), st.integers(0, 40), st.integers(1, 14))
+def test_stop_after_and_keep_cut_what_their_definitions_say(seed, budget, chain_tokens, stops, size, depth):
+    """`stop_after` drops exactly the nodes below a stop token (the node itself stays), `keep` the
+    first `size` nodes no deeper than `depth`: checked against the definitions on grafted trees."""
+    from core.tree_policy import build_draft_tree
+
+    ids, _, tree = heads_and_tree(seed, budget)
+    proposal = HeadProposal(probs=torch.ones(4, 6) / 6, token_ids=ids)
+    chain = Chain(tokens=chain_tokens, chances=ChainStats().chances(2, len(chain_tokens)), source="lookup")
+    draft = build_draft_tree(proposal, [chain], budget, top_m=6, depth=4)
+    tokens = dict(zip(draft.tree.paths, draft.tree.node_tokens(99, draft.token_table).tolist()[1:]))
+    stopped = draft.stop_after(99, frozenset(stops))
+    ends = {path for path, token in tokens.items() if token in stops}
+    assert stopped.tree.paths == [p for p in draft.tree.paths if not any(p[:d] in ends for d in range(1, len(p)))]
+    check_invariants(stopped.tree)
+    kept = draft.keep(size=size, max_depth=depth)
+    assert kept.tree.paths == [p for p in draft.tree.paths[:size] if len(p) <= depth]
+    assert kept.chain_paths == [[p for p in paths if p in kept.tree] for paths in draft.chain_paths]
+    check_invariants(kept.tree)

@@ -287,16 +287,20 @@ class DepthCalibration:
 
 
 def best_prefix(scores: list[float], depths: list[int], profile: CostProfile, overhead_ms: float,
-                calibration: DepthCalibration | None = None, context: int | None = None) -> tuple[int, float]:
+                calibration: DepthCalibration | None = None, context: int | None = None,
+                tree_overhead_ms: float = 0.0) -> tuple[int, float]:
     """(n, expected tokens per ms) of the best prefix length n (0 = root only). Pure function.
 
     scores/depths: the best-first node order of a dynamic tree (any prefix is a valid tree).
+    `overhead_ms` is paid by every choice, `tree_overhead_ms` only by a tree of one node or more
+    (accepting and committing a tree costs more than a plain step's token).
     """
     expected = 1.0  # the bonus token always comes
     best_n, best_rate = 0, expected / (profile.cost(1, context) + overhead_ms)
+    tree_ms = overhead_ms + tree_overhead_ms
     for n, (score, depth) in enumerate(zip(scores, depths), start=1):
         expected += score * (calibration.factor(depth) if calibration else 1.0)
-        rate = expected / (profile.cost(n + 1, context) + overhead_ms)
+        rate = expected / (profile.cost(n + 1, context) + tree_ms)
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n, best_rate
