@@ -24,8 +24,10 @@ MAX_EXPLORE_AFTER steps apart); a tree the heads got right brings them back to M
 step record.
 
 The decoder reaches it through one entry point per phase: `plan` before drafting (which drafters run,
-and the step's node budget: the most nodes drafted, built and verified), `choose` once the tree is
-built (the prefix worth verifying), `observe` after the step. A strategy without `auto` gets a
+and the step's node budget: the most nodes drafted, built and verified), `chains_may_pay` before a tree
+of chains alone is built (no: the step is plain), `choose` once the tree is built (the prefix worth
+verifying; a heads' tree also pays `tree_overhead_ms`, what accepting and committing a tree costs beyond
+a root-only step), `observe` after the step. A strategy without `auto` gets a
 `FixedBudget` with the same three methods, so the decoder never asks whether a controller exists.
 
 A loss allowance bounds what the heads may cost a run (`LossLedger`; "budget" means nodes): every
