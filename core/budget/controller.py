@@ -403,9 +403,9 @@ class AutoBudget:
         recent steps (0 before both kinds ran): the record, the accepted path's cache copy, the
         drafters' bookkeeping. Without it a heads' tree of one node looked worth verifying where its
         0.2-0.3 ms more (a 2-core Zen 3) made it lose. Chains alone are not charged it: their
-        estimates learn only from chains verified, and the stricter price (with the build's ~0.5 ms)
-        kept copy-heavy prompts from learning their chains (the second set's extraction-log-errors:
-        3.26 -> 1.84 tokens a step)."""
+        estimates learn only from chains verified, so a stricter price would also stop them learning
+        (a first version that charged chains it and their build's ~0.5 ms verified 1.8 tokens a step
+        on the second set's extraction-log-errors, where this one verifies 3.2)."""
         if not self.tree_finishes or not self.root_finishes:
             return 0.0
         return max(0.0, _mean(self.tree_finishes) - _mean(self.root_finishes))
