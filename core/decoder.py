@@ -412,14 +412,15 @@ class DecodeSession:
         """The step's tree: the policy's tree of the plan's node budget, cut to the context, then
         to the prefix the controller chooses (all of it unless `auto`); None when the chains alone
         cannot pay (the step is then a plain one)."""
-        if heads is None and not self.controller.chains_may_pay(chains, cache_length(self.cache)):
+        context = cache_length(self.cache)
+        if heads is None and not self.controller.chains_may_pay(chains, context):
             return None
         fixed = self.fixed if self.family.decodes_fixed_tree else None
         draft = build_draft_tree(heads, chains, plan.max_nodes, self.config.top_m, self.config.depth, fixed)
         draft = draft.stop_after(self.root_token, self.eos_token_ids)
         if draft.tree.max_depth > max_depth:
             draft = draft.keep(max_depth=max_depth)
-        size = self.controller.choose(draft, heads_used=heads is not None, context=cache_length(self.cache))
+        size = self.controller.choose(draft, heads_used=heads is not None, context=context)
         return draft.keep(size=size) if size < draft.tree.num_nodes else draft
 
     def _verify(self, draft: DraftTree) -> VerifyOutput:

@@ -408,7 +408,7 @@ class AutoBudget:
         on the second set's extraction-log-errors, where this one verifies 3.2)."""
         if not self.tree_finishes or not self.root_finishes:
             return 0.0
-        return max(0.0, _mean(self.tree_finishes) - _mean(self.root_finishes))
+        return max(0.0, statistics.fmean(self.tree_finishes) - statistics.fmean(self.root_finishes))
 
     def choose(self, draft: DraftTree, heads_used: bool, context: int) -> int:
         """Nodes to keep (a prefix of the best-first order) on top of a `context`-token cache;
@@ -535,10 +535,6 @@ class AutoBudget:
         if not heads_used and accepts:
             return sum(accepts) / len(accepts)
         return 2.0
-
-
-def _mean(values: deque) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def _used_heads(record: StepRecord) -> bool:
