@@ -1912,10 +1912,12 @@ class Model {
       return attention_shared(qkv, seen, past, keys, values, capacity, out);
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
+    // tasks head-major (a head's rows in a row), so a thread's queries of one KV group follow each
+    // other and read its keys and values from the cache after the first one's read from memory
     auto attend = [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / cfg.heads, head = task % cfg.heads, kv = head / group;
+        const int64_t head = task / n, i = task % n, kv = head / group;
         attend_one(qkv + i * width + head * d, keys + kv * capacity * d, values + kv * capacity * d, past,
                    seen[i].data(), static_cast<int64_t>(seen[i].size()), d, cfg.scale,
                    out + i * cfg.heads * d + head * d, scores);
