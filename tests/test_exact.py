@@ -15,6 +15,7 @@ from core.engine.build import load_kernels
 from core.engine.exact import BF16, F32, Q4_1, Q8_0, ExactLlama, KernelProduct, q8_0_rows, random_weight
 from core.engine.lean import LeanLlama
 from core.model import CACHE_DIR, ModelConfig, load_base_model
+from core.paths import gguf_location
 from tests.tiny import (greedy_reference, tiny_base, tiny_eagle, tiny_gguf_base, tiny_gguf_blocks, tiny_heads,
                         tiny_hydra)
 
@@ -186,17 +187,23 @@ def test_8bit_activations_product_is_the_rounded_rows_times_the_blocks(fmt, rows
 
 @needs_kernels
 def test_the_gguf_modes_read_the_blocks_and_only_gguf_q8_rounds_the_inputs():
-    """On a tiny model rounded to GGUF blocks: gguf mode's forward is bitwise the fp32 engine's over
-    the same values; gguf-q8's is not (8-bit inputs), yet within 8-bit rounding of it."""
+    """On a tiny model rounded to GGUF blocks: gguf mode's products are bitwise the fp32 engine's over
+    the same values (its first layer's keys and values are the fp32 engine's, stored in fp16), its
+    forward within fp16 rounding of the keys and values; gguf-q8's is not (8-bit inputs), yet within
+    8-bit rounding of it."""
     base = tiny_base("llama")
     blocks = tiny_gguf_blocks(base)  # the model's weights now hold the blocks' values
     lean = base.engine.lean
     tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(5))
-    hidden = {mode: engine.forward(tokens, torch.arange(12), engine.new_cache())
-              for mode, engine in [("fp32", ExactLlama(lean, KERNELS, "fp32")),
-                                   ("gguf", ExactLlama(lean, KERNELS, "gguf", blocks=blocks)),
-                                   ("gguf-q8", ExactLlama(lean, KERNELS, "gguf-q8", blocks=blocks))]}
-    assert torch.equal(hidden["gguf"], hidden["fp32"])
+    engines = {"fp32": ExactLlama(lean, KERNELS, "fp32"), "gguf": ExactLlama(lean, KERNELS, "gguf", blocks=blocks),
+               "gguf-q8": ExactLlama(lean, KERNELS, "gguf-q8", blocks=blocks)}
+    caches = {mode: engine.new_cache() for mode, engine in engines.items()}
+    hidden = {mode: engine.forward(tokens, torch.arange(12), caches[mode]) for mode, engine in engines.items()}
+    assert caches["fp32"].keys.dtype == torch.float32 and caches["gguf"].keys.dtype == torch.float16
+    for name in ("keys", "values"):
+        assert torch.equal(getattr(caches["gguf"], name)[0], getattr(caches["fp32"], name)[0].half())
+    assert not torch.equal(hidden["gguf"], hidden["fp32"])
+    assert torch.allclose(hidden["gguf"], hidden["fp32"], atol=0.01 * float(hidden["fp32"].abs().max()))
     assert not torch.equal(hidden["gguf-q8"], hidden["gguf"])
     assert torch.allclose(hidden["gguf-q8"], hidden["gguf"], atol=0.05 * float(hidden["gguf"].abs().max()))
 
@@ -447,17 +454,23 @@ def shipped_modes():
 @pytest.mark.slow
 def test_gguf_blocks_are_the_fp32_weights_and_the_forward_is_the_same(shipped_modes):
     """The GGUF's Q4_1 / Q8_0 blocks dequantised by the kernel are bitwise the fp32 model's weights
-    (every weight read from blocks), so a gguf forward equals the fp32 one bit for bit."""
+    (every weight read from blocks), so a gguf forward over an fp32 cache equals the fp32 one bit for
+    bit; over its own fp16 keys and values it stays within their rounding."""
     fp32, gguf = shipped_modes
     engine = gguf.engine
-    assert engine.mode == "gguf" and not engine.quantized_fallbacks
+    assert engine.mode == "gguf" and not engine.quantized_fallbacks and engine.kv_dtype == torch.float16
     assert engine.weight_bytes < fp32.engine.weight_bytes / 5
     ids = torch.tensor(fp32.chat_ids("Name three trees."))
     positions = torch.arange(len(ids))
     hidden_fp32 = fp32.engine.forward(ids, positions, fp32.engine.new_cache())
-    hidden_gguf = engine.forward(ids, positions, engine.new_cache())
+    folder, name = gguf_location()
+    fp32_cache = ExactLlama(engine.lean, engine.kernels, "gguf", folder / name, kv_dtype=torch.float32)
+    hidden_gguf = fp32_cache.forward(ids, positions, fp32_cache.new_cache())
     assert torch.equal(hidden_fp32, hidden_gguf)
-    assert torch.equal(fp32.engine.project(hidden_fp32[-2:]), engine.project(hidden_gguf[-2:]))
+    assert torch.equal(fp32.engine.project(hidden_fp32[-2:]), fp32_cache.project(hidden_gguf[-2:]))
+    hidden_half = engine.forward(ids, positions, engine.new_cache())
+    assert not torch.equal(hidden_half, hidden_fp32)
+    assert torch.allclose(hidden_half, hidden_fp32, atol=0.01 * float(hidden_fp32.abs().max()))
 
 
 @pytest.mark.slow

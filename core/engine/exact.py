@@ -101,14 +101,15 @@ class KernelProduct:
 
 
 class ExactSlots:
-    """Batched generation's cache on the exact engine: keys/values fp32 [slots, layers, 1, kv_heads,
-    capacity, d], one sequence a slot at its own length (`lengths`); the lean `SlotCache`'s interface."""
+    """Batched generation's cache on the exact engine: keys/values [slots, layers, 1, kv_heads, capacity, d]
+    (`ExactLlama.kv_dtype`), one sequence a slot at its own length (`lengths`); the lean `SlotCache`'s interface."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, *, slots: int, capacity: int) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, *, slots: int, capacity: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         shape = (slots, layers, 1, kv_heads, capacity, head_dim)
         with torch.inference_mode():
-            self.keys = torch.zeros(shape)  # [B, L, 1, kvh, cap, d]
-            self.values = torch.zeros(shape)
+            self.keys = torch.zeros(shape, dtype=dtype)  # [B, L, 1, kvh, cap, d]
+            self.values = torch.zeros(shape, dtype=dtype)
         self.lengths = [0] * slots
 
     @property
@@ -143,14 +144,20 @@ class ExactLlama(OnLeanForward):
     (`forward`, `project`, `new_cache`, batched generation's slots), plus `mode`."""
 
     def __init__(self, lean: LeanLlama, kernels: ModuleType, mode: str, gguf_path: Path | None = None, *,
-                 blocks: GgufBlocks | None = None) -> None:
-        """`gguf_path` (or its `blocks`, already read) is required in the gguf modes."""
+                 blocks: GgufBlocks | None = None, kv_dtype: torch.dtype | None = None) -> None:
+        """`gguf_path` (or its `blocks`, already read) is required in the gguf modes. `kv_dtype`: the
+        cache's keys and values, by default fp16 in the gguf modes (llama.cpp's default cache type: half
+        the bytes a long context's attention reads) and fp32 otherwise. Every path (plain step, tree
+        rows, prefill, slots) stores and reads the same numbers, so a tree row stays bitwise the plain step."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         reason = exact_unsupported_reason(lean)
         if reason:
             raise ValueError(f"the exact kernels do not cover this model: {reason}")
         self.lean, self.kernels, self.mode = lean, kernels, mode
+        self.kv_dtype = kv_dtype or (torch.float16 if mode in GGUF_MODES else torch.float32)
+        if self.kv_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the cache holds fp16 or fp32 keys and values, not {self.kv_dtype}")
         self.dtype, self.device = lean.dtype, lean.device
         self.max_positions, self.hidden_size = lean.max_positions, lean.hidden_size
         if mode in GGUF_MODES and blocks is None:
@@ -228,9 +235,8 @@ class ExactLlama(OnLeanForward):
 
     # -- the lean forward's interface -----------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> StaticCache:
-        # fp32 keys and values in every mode: a row's attention reads what the plain step reads
         lean = self.lean
-        return StaticCache(len(lean.layers), lean.kv_heads, lean.head_dim, dtype=torch.float32, device=self.device,
+        return StaticCache(len(lean.layers), lean.kv_heads, lean.head_dim, dtype=self.kv_dtype, device=self.device,
                            limit=self.max_positions + TREE_ROWS_MARGIN, capacity=capacity)
 
     @torch.inference_mode()
@@ -239,8 +245,8 @@ class ExactLlama(OnLeanForward):
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the residual stream entering each layer of `taps` ([T, n, H], None when
         no taps): the features an EAGLE-style drafter reads. Copying them changes no number."""
-        if cache.keys.dtype != torch.float32:
-            raise TypeError("the exact forward writes an fp32 StaticCache (ExactLlama.new_cache)")
+        if cache.keys.dtype != self.kv_dtype:
+            raise TypeError(f"the exact forward in mode {self.mode} writes a {self.kv_dtype} cache (ExactLlama.new_cache)")
         n = int(input_ids.shape[0])
         past = cache.get_seq_length()
         cache.reserve(n)
@@ -255,7 +261,7 @@ class ExactLlama(OnLeanForward):
     def new_slots(self, slots: int, capacity: int) -> ExactSlots:
         lean = self.lean
         return ExactSlots(len(lean.layers), lean.kv_heads, lean.head_dim, slots=slots,
-                          capacity=min(capacity, self.max_positions))
+                          capacity=min(capacity, self.max_positions), dtype=self.kv_dtype)
 
     def forward_slots(self, input_ids: torch.Tensor, cache: ExactSlots) -> torch.Tensor:
         """One batched decoding step: token input_ids[b] appended to slot b at its own length: hidden [B, H]."""

@@ -1006,22 +1006,70 @@ struct Layer {
   Weight qkv, out, gate_up, down;
 };
 
+// The cache's keys and values: fp32 (the fp32 and bf16 modes) or fp16 bits (`half_t`: the gguf modes, as
+// llama.cpp's default cache; half the bytes a long context reads). Every path stores and loads them
+// through these (fp32 -> fp16 rounds to nearest even, fp16 -> fp32 is exact), so a tree row reads the
+// very numbers the plain step reads.
+typedef uint16_t half_t;
+
+inline uint16_t float_to_half(float x) {
+#if defined(__F16C__)
+  return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const _Float16 h = static_cast<_Float16>(x);  // round to nearest even, as the instruction does
+  uint16_t bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  return bits;
+#endif
+}
+
+inline void kv_store(float* to, const float* from, int64_t d) { std::memcpy(to, from, d * sizeof(float)); }
+inline void kv_store(half_t* to, const float* from, int64_t d) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= d; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < d; ++i) to[i] = float_to_half(from[i]);
+}
+
+inline v8f kv_load8(const float* p) { return vload8(p); }
+inline v8f kv_load8(const half_t* p) {
+#if defined(__F16C__)
+  return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+inline v16f kv_load16(const float* p) { return vload(p); }
+inline v16f kv_load16(const half_t* p) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  union { v8f half[2]; v16f whole; } v{{kv_load8(p), kv_load8(p + 8)}};
+  return v.whole;
+#endif
+}
+
 // Attention's two sums, each lane's fused multiply-adds in the order of a plain 16-lane loop, but
 // several keys (scores) or value chunks (outputs) in flight at once, in registers: independent
 // chains the CPU overlaps, where one chain at a time waited on each FMA's latency.
 constexpr int KEYS_AT_ONCE = 4, CHUNKS_AT_ONCE = 4;
 
 // scores[j] = dot(q, key[j]) * scale over d: lane l sums i = l, l + 16, ... then the fixed tree
-template <int J>
-inline void key_dots(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
+template <int J, typename KV>
+inline void key_dots(const float* q, const KV* const* key, int64_t d, float scale, float* scores) {
 #if defined(HALF_LANES)
   v8f low[J], high[J];
   for (int j = 0; j < J; ++j) low[j] = high[j] = v8f{};
   for (int64_t i = 0; i < d; i += LANES) {
     const v8f q_low = vload8(q + i), q_high = vload8(q + i + 8);
     for (int j = 0; j < J; ++j) {
-      low[j] = vfma8(q_low, vload8(key[j] + i), low[j]);
-      high[j] = vfma8(q_high, vload8(key[j] + i + 8), high[j]);
+      low[j] = vfma8(q_low, kv_load8(key[j] + i), low[j]);
+      high[j] = vfma8(q_high, kv_load8(key[j] + i + 8), high[j]);
     }
   }
   for (int j = 0; j < J; ++j) scores[j] = hsum_halves(low[j], high[j]) * scale;
@@ -1030,7 +1078,7 @@ inline void key_dots(const float* q, const float* const* key, int64_t d, float s
   for (int j = 0; j < J; ++j) acc[j] = v16f{};
   for (int64_t i = 0; i < d; i += LANES) {
     const v16f qv = vload(q + i);
-    for (int j = 0; j < J; ++j) acc[j] = vfma(qv, vload(key[j] + i), acc[j]);
+    for (int j = 0; j < J; ++j) acc[j] = vfma(qv, kv_load16(key[j] + i), acc[j]);
   }
   for (int j = 0; j < J; ++j) scores[j] = hsum(acc[j]) * scale;
 #endif
@@ -1060,18 +1108,20 @@ inline __m512 hsum16(const v16f* v) {
 }
 
 // key_dots for 16 keys: each key's lanes and fused multiply-adds as key_dots<1>'s, the 16 sums by hsum16
-inline void key_dots16(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
+template <typename KV>
+inline void key_dots16(const float* q, const KV* const* key, int64_t d, float scale, float* scores) {
   v16f acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = v16f{};
   for (int64_t i = 0; i < d; i += LANES) {
     const v16f qv = vload(q + i);
-    for (int j = 0; j < 16; ++j) acc[j] = vfma(qv, vload(key[TRANSPOSED[j]] + i), acc[j]);
+    for (int j = 0; j < 16; ++j) acc[j] = vfma(qv, kv_load16(key[TRANSPOSED[j]] + i), acc[j]);
   }
   _mm512_storeu_ps(scores, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
 }
 #else
 // without AVX512: KEYS_AT_ONCE keys at a time (the same sums: a key's lanes never depend on the others)
-inline void key_dots16(const float* q, const float* const* key, int64_t d, float scale, float* scores) {
+template <typename KV>
+inline void key_dots16(const float* q, const KV* const* key, int64_t d, float scale, float* scores) {
   for (int j = 0; j < 16; j += KEYS_AT_ONCE) key_dots<KEYS_AT_ONCE>(q, key + j, d, scale, scores + j);
 }
 #endif
@@ -1084,9 +1134,9 @@ inline void weighted_values(const float* weight, int64_t total, const ValueAt& v
   v8f acc[2 * C];
   for (int c = 0; c < 2 * C; ++c) acc[c] = v8f{};
   for (int64_t t = 0; t < total; ++t) {
-    const float* value = value_at(t) + first;
+    const auto* value = value_at(t) + first;
     const v8f w = (v8f)_mm256_set1_ps(weight[t]);  // a broadcast (0 + x would turn -0 into +0)
-    for (int c = 0; c < 2 * C; ++c) acc[c] = vfma8(w, vload8(value + 8 * c), acc[c]);
+    for (int c = 0; c < 2 * C; ++c) acc[c] = vfma8(w, kv_load8(value + 8 * c), acc[c]);
   }
   for (int c = 0; c < 2 * C; ++c) {
     const v8f scaled = acc[c] * inverse;
@@ -1096,9 +1146,9 @@ inline void weighted_values(const float* weight, int64_t total, const ValueAt& v
   v16f acc[C];
   for (int c = 0; c < C; ++c) acc[c] = v16f{};
   for (int64_t t = 0; t < total; ++t) {
-    const float* value = value_at(t) + first;
+    const auto* value = value_at(t) + first;
     const v16f w = vset(weight[t]);
-    for (int c = 0; c < C; ++c) acc[c] = vfma(w, vload(value + c * LANES), acc[c]);
+    for (int c = 0; c < C; ++c) acc[c] = vfma(w, kv_load16(value + c * LANES), acc[c]);
   }
   for (int c = 0; c < C; ++c) vstore(out + first + c * LANES, acc[c] * inverse);
 #endif
@@ -1146,7 +1196,8 @@ inline float softmax_weights(float* scores, int64_t total) {
 
 // one query row and head over the keys it sees: rows [0, past) of the cache, then the new rows
 // `seen` (position order). scores -> max -> exp -> sum -> weighted values, each in one fixed order.
-void attend_one(const float* q, const float* keys, const float* values, int64_t past, const int64_t* seen,
+template <typename KV>
+void attend_one(const float* q, const KV* keys, const KV* values, int64_t past, const int64_t* seen,
                 int64_t seen_count, int64_t d, float scale, float* out, std::vector<float>& scores) {
   const int64_t total = past + seen_count, padded = (total + LANES - 1) / LANES * LANES;
   scores.resize(padded);
@@ -1154,18 +1205,18 @@ void attend_one(const float* q, const float* keys, const float* values, int64_t 
   int64_t t = 0;
 #if defined(__AVX512F__)
   for (; t + 16 <= total; t += 16) {
-    const float* block[16];
+    const KV* block[16];
     for (int j = 0; j < 16; ++j) block[j] = key_at(t + j);
     key_dots16(q, block, d, scale, &scores[t]);
   }
 #endif
   for (; t + KEYS_AT_ONCE <= total; t += KEYS_AT_ONCE) {
-    const float* some[KEYS_AT_ONCE];
+    const KV* some[KEYS_AT_ONCE];
     for (int j = 0; j < KEYS_AT_ONCE; ++j) some[j] = key_at(t + j);
     key_dots<KEYS_AT_ONCE>(q, some, d, scale, &scores[t]);
   }
   for (; t < total; ++t) {
-    const float* one[1] = {key_at(t)};
+    const KV* one[1] = {key_at(t)};
     key_dots<1>(q, one, d, scale, &scores[t]);
   }
   const float inverse = softmax_weights(scores.data(), total);
@@ -1199,26 +1250,28 @@ inline int64_t key_position(const AttentionQuery& query, int64_t past, int64_t t
 
 // Scores of the first `shared` keys, each loaded once for all `count` queries: 16 at a time, then one at
 // a time; each score key_dots' own.
-void shared_scores(const AttentionQuery* queries, int count, const float* keys, int64_t past, int64_t shared,
+template <typename KV>
+void shared_scores(const AttentionQuery* queries, int count, const KV* keys, int64_t past, int64_t shared,
                    int64_t d, float scale, std::vector<float>* scores) {
   int64_t t = 0;
   for (; t + 16 <= shared; t += 16) {  // read from cache by every query after the first
-    const float* block[16];
+    const KV* block[16];
     for (int j = 0; j < 16; ++j) block[j] = keys + key_position(queries[0], past, t + j) * d;
     for (int g = 0; g < count; ++g) key_dots16(queries[g].q, block, d, scale, &scores[g][t]);
   }
   for (; t < shared; ++t) {
-    const float* key[1] = {keys + key_position(queries[0], past, t) * d};
+    const KV* key[1] = {keys + key_position(queries[0], past, t) * d};
     for (int g = 0; g < count; ++g) key_dots<1>(queries[g].q, key, d, scale, &scores[g][t]);
   }
 }
 
 // Each query's own keys (the new rows it sees beyond the shared ones)
-void own_scores(const AttentionQuery* queries, int count, const float* keys, int64_t past, int64_t shared, int64_t d,
+template <typename KV>
+void own_scores(const AttentionQuery* queries, int count, const KV* keys, int64_t past, int64_t shared, int64_t d,
                 float scale, std::vector<float>* scores) {
   for (int g = 0; g < count; ++g)
     for (int64_t t = shared; t < past + queries[g].seen_count; ++t) {
-      const float* one[1] = {keys + key_position(queries[g], past, t) * d};
+      const KV* one[1] = {keys + key_position(queries[g], past, t) * d};
       key_dots<1>(queries[g].q, one, d, scale, &scores[g][t]);
     }
 }
@@ -1226,15 +1279,16 @@ void own_scores(const AttentionQuery* queries, int count, const float* keys, int
 // The weighted values, lane for lane attend_one's weighted_values: every shared key's value loaded once
 // for all queries, then each query's own keys; each output lane sums weight x value over its keys in
 // position order, then times the query's inverse.
-void shared_values(const AttentionQuery* queries, int count, const float* values, int64_t past, int64_t shared,
+template <typename KV>
+void shared_values(const AttentionQuery* queries, int count, const KV* values, int64_t past, int64_t shared,
                    int64_t d, const std::vector<float>* scores, const float* inverse) {
 #if defined(HALF_LANES)
   for (int64_t first = 0; first < d; first += LANES) {  // one chunk as two 8-lane halves
     v8f acc[SHARED_QUERIES][2];
     for (int g = 0; g < count; ++g) acc[g][0] = acc[g][1] = v8f{};
     for (int64_t t = 0; t < shared; ++t) {
-      const float* value = values + key_position(queries[0], past, t) * d + first;
-      const v8f low = vload8(value), high = vload8(value + 8);
+      const KV* value = values + key_position(queries[0], past, t) * d + first;
+      const v8f low = kv_load8(value), high = kv_load8(value + 8);
       for (int g = 0; g < count; ++g) {
         const v8f w = (v8f)_mm256_set1_ps(scores[g][t]);
         acc[g][0] = vfma8(w, low, acc[g][0]);
@@ -1244,10 +1298,10 @@ void shared_values(const AttentionQuery* queries, int count, const float* values
     for (int g = 0; g < count; ++g) {
       const AttentionQuery& query = queries[g];
       for (int64_t t = shared; t < past + query.seen_count; ++t) {
-        const float* value = values + key_position(query, past, t) * d + first;
+        const KV* value = values + key_position(query, past, t) * d + first;
         const v8f w = (v8f)_mm256_set1_ps(scores[g][t]);
-        acc[g][0] = vfma8(w, vload8(value), acc[g][0]);
-        acc[g][1] = vfma8(w, vload8(value + 8), acc[g][1]);
+        acc[g][0] = vfma8(w, kv_load8(value), acc[g][0]);
+        acc[g][1] = vfma8(w, kv_load8(value + 8), acc[g][1]);
       }
       const v8f low = acc[g][0] * inverse[g], high = acc[g][1] * inverse[g];
       std::memcpy(query.out + first, &low, sizeof low);
@@ -1261,9 +1315,9 @@ void shared_values(const AttentionQuery* queries, int count, const float* values
     for (int g = 0; g < count; ++g)
       for (int c = 0; c < chunks; ++c) acc[g][c] = v16f{};
     for (int64_t t = 0; t < shared; ++t) {
-      const float* value = values + key_position(queries[0], past, t) * d + first;
+      const KV* value = values + key_position(queries[0], past, t) * d + first;
       v16f v[CHUNKS_AT_ONCE];
-      for (int c = 0; c < chunks; ++c) v[c] = vload(value + c * LANES);
+      for (int c = 0; c < chunks; ++c) v[c] = kv_load16(value + c * LANES);
       for (int g = 0; g < count; ++g) {
         const v16f w = vset(scores[g][t]);
         for (int c = 0; c < chunks; ++c) acc[g][c] = vfma(w, v[c], acc[g][c]);
@@ -1272,9 +1326,9 @@ void shared_values(const AttentionQuery* queries, int count, const float* values
     for (int g = 0; g < count; ++g) {
       const AttentionQuery& query = queries[g];
       for (int64_t t = shared; t < past + query.seen_count; ++t) {
-        const float* value = values + key_position(query, past, t) * d + first;
+        const KV* value = values + key_position(query, past, t) * d + first;
         const v16f w = vset(scores[g][t]);
-        for (int c = 0; c < chunks; ++c) acc[g][c] = vfma(w, vload(value + c * LANES), acc[g][c]);
+        for (int c = 0; c < chunks; ++c) acc[g][c] = vfma(w, kv_load16(value + c * LANES), acc[g][c]);
       }
       for (int c = 0; c < chunks; ++c) vstore(query.out + first + c * LANES, acc[g][c] * inverse[g]);
     }
@@ -1282,7 +1336,8 @@ void shared_values(const AttentionQuery* queries, int count, const float* values
 #endif
 }
 
-void attend_shared(const AttentionQuery* queries, int count, const float* keys, const float* values, int64_t past,
+template <typename KV>
+void attend_shared(const AttentionQuery* queries, int count, const KV* keys, const KV* values, int64_t past,
                    int64_t shared_new, int64_t d, float scale, std::vector<float>* scores) {
   const int64_t shared = past + shared_new;
   for (int g = 0; g < count; ++g) scores[g].resize((past + queries[g].seen_count + LANES - 1) / LANES * LANES);
@@ -1694,16 +1749,21 @@ class Model {
     TORCH_CHECK(cfg.hidden % LANES == 0 && cfg.intermediate % LANES == 0, "widths must be multiples of 16");
   }
 
+  static bool cache_type_ok(const torch::Tensor& keys, const torch::Tensor& values) {
+    const auto type = keys.scalar_type();
+    return (type == torch::kFloat32 || type == torch::kHalf) && values.scalar_type() == type && keys.is_contiguous() &&
+           values.is_contiguous();
+  }
+
   // hidden [n, H] (after the final norm) of ids [n] at positions [n], on top of `past` cached rows
-  // of keys/values [layers, 1, kv_heads, capacity, d] (fp32), which receive the new rows at
+  // of keys/values [layers, 1, kv_heads, capacity, d] (fp32 or fp16), which receive the new rows at
   // past..past+n-1. tree_mask: bool [n, n] (row i true on what token i sees) or empty (causal).
   // tapped [T, n, H] fp32 receives the residual stream entering layer taps[t] (a drafter's
   // features; empty: none).
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor keys, torch::Tensor values,
                         int64_t past, torch::Tensor tree_mask, std::vector<int64_t> taps, torch::Tensor tapped) const {
     const int64_t n = ids.size(0);
-    TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous(),
-                "the cache must be contiguous fp32");
+    TORCH_CHECK(cache_type_ok(keys, values), "the cache must be contiguous keys and values, both fp32 or both fp16");
     TORCH_CHECK(keys.size(0) == static_cast<int64_t>(layers.size()) && keys.size(3) >= past + n, "cache too small");
     auto ids_c = ids.to(torch::kLong).contiguous();
     auto pos_c = positions.to(torch::kLong).contiguous();
@@ -1714,9 +1774,19 @@ class Model {
       TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position out of range");
     }
     const std::vector<std::vector<int64_t>> seen = visible_rows(n, tree_mask);
-    const int64_t capacity = keys.size(3), layer_stride = keys.stride(0);
-    float* key_data = keys.data_ptr<float>();
-    float* value_data = values.data_ptr<float>();
+    if (keys.scalar_type() == torch::kHalf)
+      return forward_over(id, pos, n, past, seen, taps, tapped, reinterpret_cast<half_t*>(keys.data_ptr<at::Half>()),
+                          reinterpret_cast<half_t*>(values.data_ptr<at::Half>()), keys.size(3), keys.stride(0));
+    return forward_over(id, pos, n, past, seen, taps, tapped, keys.data_ptr<float>(), values.data_ptr<float>(),
+                        keys.size(3), keys.stride(0));
+  }
+
+  // forward's layers over a cache of KV numbers (key_data, value_data: layer l at l * layer_stride)
+  template <typename KV>
+  torch::Tensor forward_over(const int64_t* id, const int64_t* pos, int64_t n, int64_t past,
+                             const std::vector<std::vector<int64_t>>& seen, const std::vector<int64_t>& taps,
+                             torch::Tensor tapped, KV* key_data, KV* value_data, int64_t capacity,
+                             int64_t layer_stride) const {
     return run_layers(id, n, taps, tapped,
         [&](size_t l, float* qkv) {
           store_rotated(qkv, pos, n, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity);
@@ -1727,15 +1797,15 @@ class Model {
   }
 
   // Batched generation: hidden [B, H] (after the final norm) of one new token a slot, ids[b] at position
-  // lengths[b] of slot b, whose own cache keys/values [B, layers, 1, kv_heads, capacity, d] (fp32)
+  // lengths[b] of slot b, whose own cache keys/values [B, layers, 1, kv_heads, capacity, d] (fp32 or fp16)
   // receives it there. Row b attends its slot's rows [0, lengths[b]] alone, through the same products,
   // rotation and attend_one as the one-sequence forward's plain step at that position: bit for bit
   // that step. tapped [T, B, H] as in forward.
   torch::Tensor forward_slots(torch::Tensor ids, torch::Tensor keys, torch::Tensor values, torch::Tensor lengths,
                               std::vector<int64_t> taps, torch::Tensor tapped) const {
     const int64_t n = ids.size(0);
-    TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && values.is_contiguous() &&
-                values.sizes() == keys.sizes(), "the slots' cache must be contiguous fp32");
+    TORCH_CHECK(cache_type_ok(keys, values) && values.sizes() == keys.sizes(),
+                "the slots' cache must be contiguous keys and values, both fp32 or both fp16");
     TORCH_CHECK(keys.dim() == 6 && keys.size(0) == n && keys.size(1) == static_cast<int64_t>(layers.size()) &&
                 keys.size(2) == 1 && keys.size(3) == cfg.kv_heads && keys.size(5) == cfg.head_dim,
                 "the slots' cache must be [slots, layers, 1, kv_heads, capacity, head_dim]");
@@ -1749,8 +1819,17 @@ class Model {
       TORCH_CHECK(id[i] >= 0 && id[i] < embed.out, "token id out of range");
       TORCH_CHECK(len[i] >= 0 && len[i] < capacity && len[i] < cos.size(0), "a slot is full");
     }
-    float* key_data = keys.data_ptr<float>();
-    float* value_data = values.data_ptr<float>();
+    if (keys.scalar_type() == torch::kHalf)
+      return slots_over(id, len, n, taps, tapped, reinterpret_cast<half_t*>(keys.data_ptr<at::Half>()),
+                        reinterpret_cast<half_t*>(values.data_ptr<at::Half>()), capacity, slot_stride, layer_stride);
+    return slots_over(id, len, n, taps, tapped, keys.data_ptr<float>(), values.data_ptr<float>(), capacity,
+                      slot_stride, layer_stride);
+  }
+
+  template <typename KV>
+  torch::Tensor slots_over(const int64_t* id, const int64_t* len, int64_t n, const std::vector<int64_t>& taps,
+                           torch::Tensor tapped, KV* key_data, KV* value_data, int64_t capacity, int64_t slot_stride,
+                           int64_t layer_stride) const {
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim;
     return run_layers(id, n, taps, tapped,
         [&](size_t l, float* qkv) {
@@ -1854,7 +1933,8 @@ class Model {
   }
 
   // each slot's row over its own cache: rows [0, len[i]) then itself (stored at len[i]), by attend_one
-  void attention_slots(const float* qkv, const int64_t* len, int64_t n, const float* keys, const float* values,
+  template <typename KV>
+  void attention_slots(const float* qkv, const int64_t* len, int64_t n, const KV* keys, const KV* values,
                        int64_t slot_stride, int64_t capacity, float* out) const {
     const int64_t d = cfg.head_dim, width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
     const int64_t itself = 0;
@@ -1873,7 +1953,8 @@ class Model {
     else at::parallel_for(0, n * cfg.heads, 1, attend);
   }
 
-  void store_rotated(float* qkv, const int64_t* pos, int64_t n, int64_t past, float* keys, float* values,
+  template <typename KV>
+  void store_rotated(float* qkv, const int64_t* pos, int64_t n, int64_t past, KV* keys, KV* values,
                      int64_t capacity) const {
     const int64_t d = cfg.head_dim, width = (cfg.heads + 2 * cfg.kv_heads) * d;
     for_rows(n, [&](int64_t begin, int64_t end) {
@@ -1884,8 +1965,8 @@ class Model {
         for (int64_t head = 0; head < cfg.heads + cfg.kv_heads; ++head) rotate(row + head * d, c, s, d);
         for (int64_t kv = 0; kv < cfg.kv_heads; ++kv) {
           const int64_t at = (kv * capacity + past + i) * d;
-          std::memcpy(keys + at, row + (cfg.heads + kv) * d, d * 4);
-          std::memcpy(values + at, row + (cfg.heads + cfg.kv_heads + kv) * d, d * 4);
+          kv_store(keys + at, row + (cfg.heads + kv) * d, d);
+          kv_store(values + at, row + (cfg.heads + cfg.kv_heads + kv) * d, d);
         }
       }
     });
@@ -1906,8 +1987,9 @@ class Model {
 #endif
   }
 
-  void attention(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past, const float* keys,
-                 const float* values, int64_t capacity, float* out) const {
+  template <typename KV>
+  void attention(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past, const KV* keys,
+                 const KV* values, int64_t capacity, float* out) const {
     if (shared_attention_pays(static_cast<int64_t>(seen.size())))
       return attention_shared(qkv, seen, past, keys, values, capacity, out);
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
@@ -1931,8 +2013,9 @@ class Model {
   // Tasks of one KV group's heads for a block of rows (as many as SHARED_QUERIES queries allow), each
   // reading the keys and values its rows share once (attend_shared). Blocks are dealt from both ends
   // (first, last, second, ...) so the threads' contiguous shares cost alike in a causal prefill.
+  template <typename KV>
   void attention_shared(const float* qkv, const std::vector<std::vector<int64_t>>& seen, int64_t past,
-                        const float* keys, const float* values, int64_t capacity, float* out) const {
+                        const KV* keys, const KV* values, int64_t capacity, float* out) const {
     const int64_t n = static_cast<int64_t>(seen.size()), d = cfg.head_dim;
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * d, group = cfg.heads / cfg.kv_heads;
     const int64_t rows_per_block = std::max<int64_t>(1, SHARED_QUERIES / group);
