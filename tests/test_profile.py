@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import core.budget.cost_profile as profile_module
 from core.decoder import DecodeConfig, decode
@@ -106,6 +108,25 @@ def test_auto_falls_back_to_plain_steps_when_speculation_cannot_pay(base_fp32, s
     assert kinds == [StepKind.PLAIN] * len(kinds)
     assert {r.controller for r in auto.records} <= {"backing off", "probing"}
     assert auto.records[0].controller == "backing off"  # the budget, not a probe, kept it plain
+
+
+ascending_sizes = st.lists(st.integers(1, 200), min_size=1, max_size=8, unique=True).map(sorted)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=ascending_sizes, data=st.data())
+def test_costs_are_each_cost_bitwise(sizes, data):
+    """The costs of every size at once (what a step's choice reads) are `cost`'s own numbers, in and
+    between profiled sizes and contexts, below them and extended past them."""
+    ms_value = st.floats(0.5, 500.0, allow_nan=False)
+    ms = data.draw(st.lists(ms_value, min_size=len(sizes), max_size=len(sizes)))
+    contexts = data.draw(st.lists(st.integers(1, 3000), min_size=1, max_size=4, unique=True).map(sorted))
+    rows = data.draw(st.lists(st.lists(ms_value, min_size=len(sizes), max_size=len(sizes)),
+                              min_size=len(contexts) - 1, max_size=len(contexts) - 1))
+    profile = CostProfile(sizes=sizes, ms=ms, contexts=contexts, ms_by_context=rows)
+    count = data.draw(st.integers(1, 260))
+    for context in (None, 0, *contexts, contexts[-1] + 700, data.draw(st.integers(0, 4000))):
+        assert profile.costs(count, context) == [profile.cost(n, context) for n in range(1, count + 1)]
 
 
 def test_cost_knows_the_context():

@@ -249,6 +249,11 @@ class CorrectedProfile:
     def cost(self, tokens: int, context: int | None = None) -> float:
         return self.profile.cost(tokens, context) * self.correction.factor(tokens)
 
+    def costs(self, count: int, context: int | None = None) -> list[float]:
+        """`[cost(1, context), ..., cost(count, context)]` (`CostProfile.costs`)."""
+        return [ms * self.correction.factor(tokens)
+                for tokens, ms in enumerate(self.profile.costs(count, context), start=1)]
+
 
 @dataclass
 class AutoBudget:

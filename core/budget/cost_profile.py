@@ -67,6 +67,35 @@ class CostProfile:
         costs = [first] + [_interpolate(self.sizes, row, tokens) for row in self.ms_by_context]
         return max(first, _interpolate(self.contexts, costs, context))
 
+    def costs(self, count: int, context: int | None = None) -> list[float]:
+        """`[cost(1, context), ..., cost(count, context)]`, the same numbers, each profiled row walked
+        once for all sizes (a step's choice prices every prefix of its tree: ~10 cost calls a step,
+        each walking four rows)."""
+        tokens = range(1, count + 1)
+        first = _interpolate_sorted(self.sizes, self.ms, tokens)
+        if context is None or not self.ms_by_context or context <= self.contexts[0]:
+            return first
+        rows = [_interpolate_sorted(self.sizes, row, tokens) for row in self.ms_by_context]
+        return [max(at_first, _interpolate(self.contexts, [at_first, *at_rows], context))
+                for at_first, *at_rows in zip(first, *rows)]
+
+
+def _interpolate_sorted(xs: list[int], ys: list[float], points: range) -> list[float]:
+    """`[_interpolate(xs, ys, x) for x in points]` (points ascending), the segments walked once."""
+    values, segment = [], 0
+    for x in points:
+        if x <= xs[0] or len(xs) == 1:
+            values.append(ys[0])
+            continue
+        while segment < len(xs) - 2 and x > xs[segment + 1]:
+            segment += 1
+        x0, x1, y0, y1 = xs[segment], xs[segment + 1], ys[segment], ys[segment + 1]
+        if x <= x1:
+            values.append(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        else:  # past the last point: the last segment's slope
+            values.append(ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]))
+    return values
+
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear y(x) through the points, extended by the last segment's slope."""
@@ -296,11 +325,12 @@ def best_prefix(scores: list[float], depths: list[int], profile: CostProfile, ov
     (accepting and committing a tree costs more than a plain step's token).
     """
     expected = 1.0  # the bonus token always comes
-    best_n, best_rate = 0, expected / (profile.cost(1, context) + overhead_ms)
+    costs = profile.costs(len(scores) + 1, context)  # [n + 1]: the root and n nodes
+    best_n, best_rate = 0, expected / (costs[0] + overhead_ms)
     tree_ms = overhead_ms + tree_overhead_ms
     for n, (score, depth) in enumerate(zip(scores, depths), start=1):
         expected += score * (calibration.factor(depth) if calibration else 1.0)
-        rate = expected / (profile.cost(n + 1, context) + tree_ms)
+        rate = expected / (costs[n] + tree_ms)
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n, best_rate
