@@ -1034,7 +1034,9 @@ inline void kv_store(half_t* to, const float* from, int64_t d) {
   for (; i < d; ++i) to[i] = float_to_half(from[i]);
 }
 
+#if defined(HALF_LANES)
 inline v8f kv_load8(const float* p) { return vload8(p); }
+#endif
 inline v8f kv_load8(const half_t* p) {
 #if defined(__F16C__)
   return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
