@@ -1751,6 +1751,15 @@ class Model {
     TORCH_CHECK(cfg.hidden % LANES == 0 && cfg.intermediate % LANES == 0, "widths must be multiples of 16");
   }
 
+  // `work(key_data, value_data)` on the cache's numbers as stored: fp16 bits (`half_t*`) or fp32
+  template <typename Work>
+  static torch::Tensor on_cache(torch::Tensor& keys, torch::Tensor& values, const Work& work) {
+    if (keys.scalar_type() == torch::kHalf)
+      return work(reinterpret_cast<half_t*>(keys.data_ptr<at::Half>()),
+                  reinterpret_cast<half_t*>(values.data_ptr<at::Half>()));
+    return work(keys.data_ptr<float>(), values.data_ptr<float>());
+  }
+
   static bool cache_type_ok(const torch::Tensor& keys, const torch::Tensor& values) {
     const auto type = keys.scalar_type();
     return (type == torch::kFloat32 || type == torch::kHalf) && values.scalar_type() == type && keys.is_contiguous() &&
@@ -1776,26 +1785,16 @@ class Model {
       TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position out of range");
     }
     const std::vector<std::vector<int64_t>> seen = visible_rows(n, tree_mask);
-    if (keys.scalar_type() == torch::kHalf)
-      return forward_over(id, pos, n, past, seen, taps, tapped, reinterpret_cast<half_t*>(keys.data_ptr<at::Half>()),
-                          reinterpret_cast<half_t*>(values.data_ptr<at::Half>()), keys.size(3), keys.stride(0));
-    return forward_over(id, pos, n, past, seen, taps, tapped, keys.data_ptr<float>(), values.data_ptr<float>(),
-                        keys.size(3), keys.stride(0));
-  }
-
-  // forward's layers over a cache of KV numbers (key_data, value_data: layer l at l * layer_stride)
-  template <typename KV>
-  torch::Tensor forward_over(const int64_t* id, const int64_t* pos, int64_t n, int64_t past,
-                             const std::vector<std::vector<int64_t>>& seen, const std::vector<int64_t>& taps,
-                             torch::Tensor tapped, KV* key_data, KV* value_data, int64_t capacity,
-                             int64_t layer_stride) const {
-    return run_layers(id, n, taps, tapped,
-        [&](size_t l, float* qkv) {
-          store_rotated(qkv, pos, n, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity);
-        },
-        [&](size_t l, const float* qkv, float* attended) {
-          attention(qkv, seen, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity, attended);
-        });
+    const int64_t capacity = keys.size(3), layer_stride = keys.stride(0);
+    return on_cache(keys, values, [&](auto* key_data, auto* value_data) {
+      return run_layers(id, n, taps, tapped,
+          [&](size_t l, float* qkv) {
+            store_rotated(qkv, pos, n, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity);
+          },
+          [&](size_t l, const float* qkv, float* attended) {
+            attention(qkv, seen, past, key_data + l * layer_stride, value_data + l * layer_stride, capacity, attended);
+          });
+    });
   }
 
   // Batched generation: hidden [B, H] (after the final norm) of one new token a slot, ids[b] at position
@@ -1821,28 +1820,19 @@ class Model {
       TORCH_CHECK(id[i] >= 0 && id[i] < embed.out, "token id out of range");
       TORCH_CHECK(len[i] >= 0 && len[i] < capacity && len[i] < cos.size(0), "a slot is full");
     }
-    if (keys.scalar_type() == torch::kHalf)
-      return slots_over(id, len, n, taps, tapped, reinterpret_cast<half_t*>(keys.data_ptr<at::Half>()),
-                        reinterpret_cast<half_t*>(values.data_ptr<at::Half>()), capacity, slot_stride, layer_stride);
-    return slots_over(id, len, n, taps, tapped, keys.data_ptr<float>(), values.data_ptr<float>(), capacity,
-                      slot_stride, layer_stride);
-  }
-
-  template <typename KV>
-  torch::Tensor slots_over(const int64_t* id, const int64_t* len, int64_t n, const std::vector<int64_t>& taps,
-                           torch::Tensor tapped, KV* key_data, KV* value_data, int64_t capacity, int64_t slot_stride,
-                           int64_t layer_stride) const {
     const int64_t width = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim;
-    return run_layers(id, n, taps, tapped,
-        [&](size_t l, float* qkv) {
-          for (int64_t i = 0; i < n; ++i)  // each row as a one-row forward of its own slot
-            store_rotated(qkv + i * width, len + i, 1, len[i], key_data + i * slot_stride + l * layer_stride,
-                          value_data + i * slot_stride + l * layer_stride, capacity);
-        },
-        [&](size_t l, const float* qkv, float* attended) {
-          attention_slots(qkv, len, n, key_data + l * layer_stride, value_data + l * layer_stride, slot_stride,
-                          capacity, attended);
-        });
+    return on_cache(keys, values, [&](auto* key_data, auto* value_data) {
+      return run_layers(id, n, taps, tapped,
+          [&](size_t l, float* qkv) {
+            for (int64_t i = 0; i < n; ++i)  // each row as a one-row forward of its own slot
+              store_rotated(qkv + i * width, len + i, 1, len[i], key_data + i * slot_stride + l * layer_stride,
+                            value_data + i * slot_stride + l * layer_stride, capacity);
+          },
+          [&](size_t l, const float* qkv, float* attended) {
+            attention_slots(qkv, len, n, key_data + l * layer_stride, value_data + l * layer_stride, slot_stride,
+                            capacity, attended);
+          });
+    });
   }
 
   // logits [n, V] of hidden [n, H] through the output projection (the same product kernel)
