@@ -127,6 +127,18 @@ def test_costs_are_each_cost_bitwise(sizes, data):
     count = data.draw(st.integers(1, 260))
     for context in (None, 0, *contexts, contexts[-1] + 700, data.draw(st.integers(0, 4000))):
         assert profile.costs(count, context) == [profile.cost(n, context) for n in range(1, count + 1)]
+    assert profile.costs(count) == [one_point(sizes, ms, n) for n in range(1, count + 1)]
+
+
+def one_point(xs, ys, x):
+    """Piecewise-linear y(x), extended by the last slope, by a search of every segment (the reference)."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (x - xs[-1])
 
 
 def test_cost_knows_the_context():

@@ -31,7 +31,7 @@ import json
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import transformers
@@ -80,8 +80,9 @@ class CostProfile:
                 for at_first, *at_rows in zip(first, *rows)]
 
 
-def _interpolate_sorted(xs: list[int], ys: list[float], points: range) -> list[float]:
-    """`[_interpolate(xs, ys, x) for x in points]` (points ascending), the segments walked once."""
+def _interpolate_sorted(xs: list[int], ys: list[float], points: Sequence[float]) -> list[float]:
+    """Piecewise-linear y(x) through the points (xs, ys), extended by the last segment's slope, at
+    each of `points` (ascending): the segments walked once for all of them."""
     values, segment = [], 0
     for x in points:
         if x <= xs[0] or len(xs) == 1:
@@ -98,14 +99,8 @@ def _interpolate_sorted(xs: list[int], ys: list[float], points: range) -> list[f
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear y(x) through the points, extended by the last segment's slope."""
-    if x <= xs[0] or len(xs) == 1:
-        return ys[0]
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return ys[-1] + slope * (x - xs[-1])
+    """`_interpolate_sorted` at one point."""
+    return _interpolate_sorted(xs, ys, (x,))[0]
 
 
 @dataclass(frozen=True)
